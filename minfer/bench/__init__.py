@@ -1,0 +1,1 @@
+"""Benchmark machinery shared by apps/benchmark.py and apps/profile.py."""

@@ -1,0 +1,56 @@
+"""GPU timing: back-to-back launches inside a CUDA graph, inputs rotated past L2, median of replays."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def rotation_count(bytes_per_call: int, l2_multiple: float = 4.0, max_copies: int = 64) -> int:
+    """How many input copies to cycle through so that they cannot all sit in L2."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(2, min(max_copies, int(l2 * l2_multiple // max(bytes_per_call, 1)) + 1))
+
+
+def time_graph(run: Callable[[int], None], copies: int, replays: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of one call of `run(i)`.
+
+    `run(i)` launches the work on input copy i (0 <= i < copies). One graph holds `copies` calls
+    back to back, so launch gaps shrink and each call reads cold data; each replay is timed with
+    CUDA events and the median replay time is divided by `copies`.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # eager warm-up: lazy init, autotuning, allocator growth
+            run(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            run(i)
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written: the memory ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_graph(lambda i: dst.copy_(src), copies=1, replays=20)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9

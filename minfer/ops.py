@@ -1,0 +1,192 @@
+"""JIT build of kernels/ and the torch.ops.minfer wrappers.
+
+Each op has three parts kept side by side:
+- `<op>_reference`: pure PyTorch, the CPU path and the test oracle;
+- a fake (meta) implementation, so the op works under torch.compile and CUDA-graph capture;
+- `<op>`: the wrapper the engine calls; it runs the CUDA kernel when the tensors live on a GPU
+  and the "minfer" backend is active, and the reference otherwise.
+
+`python -m minfer.ops --build` compiles every kernel (for sm_90a when no GPU is present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import DeviceError, KernelBuildError
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+EXTENSION_NAME = "minfer_kernels"
+BACKENDS = ("minfer", "torch")
+
+_state = {"loaded": False, "backend": os.environ.get("MINFER_BACKEND", "minfer")}
+_fake_impls: dict[str, object] = {}
+
+
+def fake_impl(qualname: str):
+    """Collect a fake (meta) implementation; it is registered once the library defines the op."""
+
+    def register(fn):
+        _fake_impls[qualname] = fn
+        return fn
+
+    return register
+
+
+# ----------------------------------------------------------------------------------------------
+# Build
+# ----------------------------------------------------------------------------------------------
+
+
+def build_dir() -> Path:
+    """Where the extension is built: $MINFER_BUILD_DIR, else the user's cache dir, per torch version."""
+    root = os.environ.get("MINFER_BUILD_DIR")
+    if root is None:
+        cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+        root = os.path.join(cache, "minfer", "build")
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", f"torch-{torch.__version__}-sm{target_arch_list()}")
+    return Path(root) / tag
+
+
+def target_arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST if set, else the GPU present (Hopper gets 9.0a for wgmma), else 9.0a."""
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if requested:
+        return requested
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}" + ("a" if major == 9 else "")
+    return "9.0a"
+
+
+def kernel_sources() -> list[Path]:
+    return [KERNEL_DIR / "bindings.cpp", *sorted(KERNEL_DIR.glob("*.cu"))]
+
+
+def _ensure_cuda_home() -> None:
+    """torch guesses CUDA_HOME from nvcc's folder, which misses the headers when nvcc is a bare
+    copy in /usr/local/bin; point it at the toolkit that holds them."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    for candidate in ("/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)):
+        if os.path.exists(os.path.join(candidate, "include", "cuda_runtime_api.h")):
+            os.environ["CUDA_HOME"] = candidate
+            return
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile (or reuse) the extension and register torch.ops.minfer; returns the build folder."""
+    if _state["loaded"]:
+        return build_dir()
+    _ensure_cuda_home()
+    from torch.utils import cpp_extension
+
+    arch = target_arch_list()
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
+    log = out / "build.log"
+    try:
+        cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(p) for p in kernel_sources()],
+            extra_include_paths=[str(KERNEL_DIR)],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # the compiler's output is in the exception text
+        log.write_text(str(exc))
+        raise KernelBuildError(
+            f"building the minfer kernels for {arch} failed; the compiler output is in {log}. "
+            "Rerun `python -m minfer.ops --build --verbose` to see every command."
+        ) from exc
+    log.unlink(missing_ok=True)
+    for qualname, fn in _fake_impls.items():
+        torch.library.register_fake(qualname, fn)
+    _state["loaded"] = True
+    return out
+
+
+def set_backend(name: str) -> None:
+    """'minfer' runs our CUDA kernels on GPU tensors; 'torch' forces the pure-PyTorch references."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    _state["backend"] = name
+
+
+def backend() -> str:
+    return _state["backend"]
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """True when `t` is on a GPU and the minfer backend is active (builds the extension on first use)."""
+    if not t.is_cuda or _state["backend"] != "minfer":
+        return False
+    build()
+    return True
+
+
+def require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise DeviceError(f"{what} needs a CUDA GPU and none is visible; run it on a GPU machine.")
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops: reference, fake, wrapper
+# ----------------------------------------------------------------------------------------------
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+@fake_impl("minfer::silu_mul")
+def _silu_mul_fake(gate_up, out):
+    return None
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up over the fused gate_up projection [..., 2I] -> [..., I]."""
+    if out is None:
+        out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    if use_kernels(gate_up):
+        torch.ops.minfer.silu_mul(gate_up, out)
+    else:
+        out.copy_(silu_mul_reference(gate_up))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minfer.ops", description="Build minfer's CUDA kernels (JIT, ninja, cached)."
+    )
+    parser.add_argument("--build", action="store_true", help="compile every kernel and report where")
+    parser.add_argument("--verbose", action="store_true", help="print each compiler command")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 0
+    try:
+        out = build(verbose=args.verbose)
+    except KernelBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"minfer kernels built for {target_arch_list()} in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

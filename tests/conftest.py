@@ -1,0 +1,8 @@
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")
+
+
+def pytest_report_header(config):
+    return f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
