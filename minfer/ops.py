@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import DeviceError, KernelBuildError
+from .errors import DeviceError, FormatError, KernelBuildError
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 EXTENSION_NAME = "minfer_kernels"
@@ -166,6 +166,55 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         torch.ops.minfer.silu_mul(gate_up, out)
     else:
         out.copy_(silu_mul_reference(gate_up))
+    return out
+
+
+GEMV_MAX_TOKENS = 8  # kernels/gemv.h: the tokens are the n = 8 side of the tensor-core tile
+
+
+def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+@fake_impl("minfer::gemv")
+def _gemv_fake(x, w, out):
+    return None
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T for decode: x [..., K] holding 1..8 tokens in all, w [N, K] -> [..., N], fp32 accumulation."""
+    k = x.shape[-1]
+    if w.dim() != 2 or w.shape[1] != k:
+        raise FormatError(f"gemv needs w [N, {k}] for x [..., {k}], got w {tuple(w.shape)}")
+    tokens = x.numel() // max(k, 1)
+    if not 1 <= tokens <= GEMV_MAX_TOKENS:
+        raise FormatError(f"gemv takes 1..{GEMV_MAX_TOKENS} tokens, got {tokens}; use a GEMM (hgemm, F.linear) for more")
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], w.shape[0])
+    if use_kernels(x):
+        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]))
+    else:
+        out.copy_(gemv_reference(x, w))
+    return out
+
+
+def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits.float(), dim=-1)
+
+
+@fake_impl("minfer::argmax")
+def _argmax_fake(logits, out):
+    return None
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the largest logit along the last dim, int64 [...]: the first on ties, NaN counts as largest."""
+    if out is None:
+        out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    if use_kernels(logits):
+        torch.ops.minfer.argmax(logits.reshape(-1, logits.shape[-1]), out.view(-1))
+    else:
+        out.copy_(argmax_reference(logits))
     return out
 
 
