@@ -1,0 +1,223 @@
+"""Generation loop: prefill, then decode steps captured in CUDA graphs, with streaming and stats.
+
+One decode step (model forward on one token, sampling, feeding the sample back) reads and writes
+only static device buffers, so on a GPU it is captured once and replayed. Each replay's token is
+copied to pinned host memory with an event; the host reads token i while steps i+1..i+LOOKAHEAD
+are already queued, so the GPU never waits for Python.
+
+The torch attention path reads the cache up to `kv_len`, a static shape per graph: positions are
+grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its own graph.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import ContextLengthError, MinferError
+from .model import Transformer
+from .sampling import SamplingParams, sample
+
+KV_BUCKET = 256  # cache positions attended per decode graph are rounded up to a multiple of this
+LOOKAHEAD = 4  # decode steps queued on the GPU ahead of the token the host is reading
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    stop_reason: str = ""  # "eos", "max_new_tokens" or "context"
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0  # prefill launch to the first token on the host
+    decode_tok_s: float = 0.0
+    weight_gb_s: float = 0.0  # weight bytes read per decode step x decode steps per second
+    peak_mem_gb: float = 0.0
+    graph_capture_ms: float = 0.0  # one-time CUDA-graph setup paid inside this call (not in the above)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids, without the prompt and without the stop token
+    text: str
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class _TokenReader:
+    """Device token -> host int, one slot per generated token, read behind the launches."""
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.cuda)
+        ring = LOOKAHEAD + 2  # a slot's event is reused only after its token was read
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(ring)] if self.cuda else []
+        self.first = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        self.times = [0.0] * capacity  # host clock (CPU device) when each token was produced
+
+    def push(self, index: int, token: torch.Tensor) -> None:
+        self.host[index:index + 1].copy_(token.view(-1)[:1], non_blocking=True)
+        if self.cuda:
+            self.events[index % len(self.events)].record()
+            if index == 0:
+                self.first.record()
+        else:
+            self.times[index] = time.perf_counter()
+
+    def read(self, index: int) -> int:
+        if self.cuda:
+            self.events[index % len(self.events)].synchronize()
+        return int(self.host[index])
+
+    def seconds_since_first(self, last: int) -> float:
+        """Time from producing token 0 to producing token `last` (already read)."""
+        if self.cuda:
+            return self.first.elapsed_time(self.events[last % len(self.events)]) / 1e3
+        return self.times[last] - self.times[0]
+
+
+class Generator:
+    """Runs `model` (batch 1) with a static KV cache of `max_seq_len` positions on `device`."""
+
+    def __init__(self, model: Transformer, tokenizer, max_seq_len: int, device: torch.device | str,
+                 use_cuda_graph: bool = True):
+        self.model, self.tokenizer = model, tokenizer
+        self.device = torch.device(device)
+        self.max_seq_len = max_seq_len
+        model.setup_caches(1, max_seq_len, device=self.device)
+        self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
+        eos = tokenizer.eos_id if tokenizer is not None else model.config.eos_token_id
+        self.eos_id: int | None = eos  # None: never stop early
+        # Static decode inputs: the token to feed and its position (advanced by the step itself).
+        self._token = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        self._pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._prompt = torch.zeros(1, max_seq_len, dtype=torch.int64, device=self.device)
+        self._prompt_host = torch.zeros(max_seq_len, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self._rng = torch.Generator(device=self.device)
+        self._reader = _TokenReader(max_seq_len, self.device)
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
+
+    # -- one decode step ---------------------------------------------------------------------------
+
+    def _bucket(self, pos: int) -> int:
+        return min(self.max_seq_len, -(-(pos + 1) // KV_BUCKET) * KV_BUCKET)
+
+    def _step(self, kv_len: int, params: SamplingParams) -> None:
+        logits = self.model(self._token, self._pos, kv_len)
+        self._token.copy_(sample(logits[:, -1], params, self._rng).view(1, 1))
+        self._pos.add_(1)
+
+    def _capture(self, kv_len: int, params: SamplingParams) -> None:
+        """Warm up (lazy library init) on a side stream, then capture one step. Only called before
+        a prefill, when the cache holds nothing that the warm-up step could spoil."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step(kv_len, params)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if not params.greedy:
+            graph.register_generator_state(self._rng)
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(kv_len, params)
+        self._graphs[(kv_len, params.kernel_key)] = graph
+
+    def _launch_step(self, pos: int, params: SamplingParams) -> None:
+        kv_len = self._bucket(pos)
+        if self.use_cuda_graph:
+            self._graphs[(kv_len, params.kernel_key)].replay()
+        else:
+            self._step(kv_len, params)
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise MinferError("the prompt is empty; pass at least one token (e.g. BOS)")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise MinferError(f"prompt token ids must lie in [0, {vocab}); the tokenizer does not match the model")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "
+                f"shorten the prompt or raise --max-seq-len (this model allows up to "
+                f"{self.model.config.max_position_embeddings})"
+            )
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, max_new_tokens: int = 256,
+                 on_token=None) -> GenerationResult:
+        """Generate up to `max_new_tokens` after `prompt_ids`; `on_token(id)` is called as each token
+        arrives on the host. Stops at EOS (not returned), max_new_tokens, or the context end."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self._check_prompt(prompt_ids)
+        n_prompt = len(prompt_ids)
+        limit = min(max_new_tokens, self.max_seq_len - n_prompt)
+        stats = GenerationStats(prompt_tokens=n_prompt)
+        if limit <= 0:
+            stats.stop_reason = "max_new_tokens"
+            return GenerationResult([], "", stats)
+
+        cuda = self.device.type == "cuda"
+        if self.use_cuda_graph:
+            start = time.perf_counter()
+            for pos in range(n_prompt, n_prompt + limit - 1):
+                if (self._bucket(pos), params.kernel_key) not in self._graphs:
+                    self._capture(self._bucket(pos), params)
+            stats.graph_capture_ms = (time.perf_counter() - start) * 1e3
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._rng.manual_seed(params.seed)
+
+        # Prefill: the prompt fills positions 0..n-1; its last logits give the first token.
+        start = time.perf_counter()
+        prefill_start, prefill_end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
+        self._prompt_host[:n_prompt] = torch.tensor(prompt_ids, dtype=torch.int64)
+        prompt = self._prompt[:, :n_prompt]
+        prompt.copy_(self._prompt_host[:n_prompt].view(1, -1), non_blocking=True)
+        if cuda:
+            prefill_start.record()
+        logits = self.model(prompt, self.model.positions[:n_prompt], kv_len=n_prompt)
+        if cuda:
+            prefill_end.record()
+        else:
+            stats.prefill_ms = (time.perf_counter() - start) * 1e3
+        self._token.copy_(sample(logits[:, -1], params, self._rng).view(1, 1))
+        self._pos.fill_(n_prompt)
+        reader = self._reader
+        reader.push(0, self._token)
+
+        # Decode: keep LOOKAHEAD steps queued while the host reads, streams and checks for EOS.
+        tokens: list[int] = []
+        launched = 1  # tokens whose computation has been queued (the first came from prefill)
+        stats.stop_reason = "max_new_tokens" if limit == max_new_tokens else "context"
+        for index in range(limit):
+            while launched < limit and launched <= index + LOOKAHEAD:
+                self._launch_step(n_prompt + launched - 1, params)
+                reader.push(launched, self._token)
+                launched += 1
+            token = reader.read(index)
+            if index == 0:
+                stats.ttft_ms = (time.perf_counter() - start) * 1e3
+            if token == self.eos_id:
+                stats.stop_reason = "eos"
+                break
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+        last = index
+
+        stats.new_tokens = len(tokens)
+        if cuda:
+            stats.prefill_ms = prefill_start.elapsed_time(prefill_end)
+            stats.peak_mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
+        if last > 0:
+            stats.decode_tok_s = last / reader.seconds_since_first(last)
+            stats.weight_gb_s = self.model.decode_weight_bytes() * stats.decode_tok_s / 1e9
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return GenerationResult(tokens, text, stats)

@@ -1,0 +1,294 @@
+"""The Llama transformer in HF weight layout, with a static KV cache.
+
+Layout follows HF `LlamaForCausalLM` (half-split RoPE, so checkpoints load without permuting q/k),
+except that q/k/v are fused into one `qkv_proj` and gate/up into one `gate_up_proj`: one matrix
+read per sublayer input. Every tensor is a buffer; the model only runs inference.
+
+The numerical steps are the small functions below (`rms_norm`, `add_rms_norm`, `rope_write_kv`,
+`attention`, plus `ops.silu_mul`), written in plain PyTorch with the argument conventions of the
+`minfer.ops` kernels, so a fast path replaces one function without touching the modules.
+
+Each sublayer ends with the fused-residual pattern `residual += out; x = norm(residual)`: a block
+takes the residual stream and its normalized copy and hands the next block both again, so the
+last norm of block i is the input norm of block i+1 (or the final `norm`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .config import ModelConfig
+from .errors import CheckpointError, ContextLengthError, MinferError
+from .formats import DenseWeight, WeightFormat
+from .kv_cache import KVCache
+
+# ----------------------------------------------------------------------------------------------
+# Numerics (PyTorch reference path; same signatures as the minfer.ops kernels)
+# ----------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight (torch computes the statistics in fp32 for half inputs)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place), then return rms_norm(residual) * weight."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF half-split RoPE in fp32: x * [cos, cos] + [-x2, x1] * [sin, sin] (x = [x1, x2])."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Rotate q [B,T,Hq,D] in place and k [B,T,Hkv,D]; write k, v to the caches [B,Hkv,S,D] at input_pos.
+
+    cos/sin are the fp32 tables [S, D/2] indexed by position.
+    """
+    cos = cos.index_select(0, input_pos)[:, None, :]
+    sin = sin.index_select(0, input_pos)[:, None, :]
+    q.copy_(_rotate(q, cos, sin))
+    k_cache.index_copy_(2, input_pos, _rotate(k, cos, sin).to(k_cache.dtype).transpose(1, 2))
+    v_cache.index_copy_(2, input_pos, v.transpose(1, 2))
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+              kv_len: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B,T,Hq,D] attends to cache positions [0, kv_len) where mask [T, kv_len] is True.
+
+    mask None means plain causal attention over a prompt that fills positions 0..T-1 (T == kv_len).
+    Query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv does. Returns [B,T,Hq,D].
+    """
+    k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[1],
+    )
+    return out.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE tables
+# ----------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] (fp32), with Llama-3 scaling when the config asks for it.
+
+    Llama-3 scaling divides low frequencies (wavelength above original_len / low_freq_factor) by
+    `factor`, keeps high frequencies (wavelength below original_len / high_freq_factor), and blends
+    linearly in between, exactly as transformers' `_compute_llama3_parameters`.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.get("rope_type") != "llama3":
+        raise CheckpointError(f"rope scaling {scaling!r} is not implemented; minfer supports 'llama3' scaling")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_between = ~(wavelen < original_len / high) * ~(wavelen > original_len / low)
+    return torch.where(in_between, blended, scaled)
+
+
+def rope_tables(config: ModelConfig, max_seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of position * inv_freq, each [max_seq_len, D/2] fp32."""
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), rope_inv_freq(config))
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------
+
+
+class Linear(nn.Module):
+    """A bias-free projection whose weight lives in one `WeightFormat` (child module `fmt`)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.fmt: WeightFormat = DenseWeight(torch.empty(out_features, in_features))
+
+    def set_format(self, fmt: WeightFormat) -> None:
+        if fmt.shape != self.fmt.shape:
+            raise MinferError(f"a {fmt.name} weight of shape {fmt.shape} cannot replace one of shape {self.fmt.shape}")
+        self.fmt = fmt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fmt(x)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(vocab_size, hidden_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("weight", torch.empty(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual += x in place; returns the normalized residual."""
+        return add_rms_norm(residual, x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size)
+        self.o_proj = Linear(config.q_size, config.hidden_size)
+        self.scale = config.head_dim ** -0.5
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(batch, seq, self.num_heads, d)
+        k = k.view(batch, seq, self.num_kv_heads, d)
+        v = v.view(batch, seq, self.num_kv_heads, d)
+        cache = self.kv_cache
+        rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
+        out = attention(q, cache.k_cache, cache.v_cache, input_pos, kv_len, mask, self.scale)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)  # rows: gate, then up
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, residual: torch.Tensor, x: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], next_norm: RMSNorm) -> torch.Tensor:
+        """x = input_layernorm(residual). Updates residual in place; returns next_norm(residual)."""
+        x = self.post_attention_layernorm.add_forward(residual, self.self_attn(x, input_pos, kv_len, mask, rope))
+        return next_norm.add_forward(residual, self.mlp(x))
+
+
+class Transformer(nn.Module):
+    """Llama decoder. Built on the meta device (no memory); `materialize` allocates it, a loader
+    (`minfer.checkpoint`) fills `checkpoint_tensors()`, and `setup_caches` prepares generation."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self._tie_lm_head()
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # arange(max_seq_len) on the cache device, for masks
+        self.max_batch_size = self.max_seq_len = 0
+
+    def _tie_lm_head(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.fmt.weight = self.embed_tokens.weight
+
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> Transformer:
+        """Allocate every weight on `device` in `dtype`, uninitialised (a tied lm_head shares the embedding)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.fmt.weight = None  # allocate the shared matrix once
+        self.to(dtype=dtype).to_empty(device=device)
+        self._tie_lm_head()
+        return self
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of every weight a checkpoint provides, in minfer names (a loader copies
+        into these in place). Fused rows: qkv_proj = [q; k; v], gate_up_proj = [gate; up]."""
+        tensors = self.state_dict()
+        if self.config.tie_word_embeddings:
+            del tensors["lm_head.fmt.weight"]
+        return tensors
+
+    def projections(self) -> Iterator[tuple[str, Linear]]:
+        """The attention and MLP linears: what `formats.convert` re-encodes (not embeddings/lm_head)."""
+        for name, module in self.layers.named_modules(prefix="layers"):
+            if isinstance(module, Linear):
+                yield name, module
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every linear in its current format, the norms, one embedding row."""
+        linears = sum(m.fmt.nbytes for m in self.modules() if isinstance(m, Linear))
+        norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
+        embedding_row = self.embed_tokens.weight[0].numel() * self.embed_tokens.weight.element_size()
+        return linears + norms + embedding_row
+
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> None:
+        """Preallocate the KV cache of every layer and the RoPE tables for positions < max_seq_len."""
+        limit = self.config.max_position_embeddings
+        if max_seq_len > limit:
+            raise ContextLengthError(
+                f"max_seq_len {max_seq_len} exceeds the {limit} positions this model supports; "
+                f"use --max-seq-len {limit} or less"
+            )
+        dtype = dtype or self.embed_tokens.weight.dtype
+        device = device or self.embed_tokens.weight.device
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_kv_heads, max_seq_len,
+                                               self.config.head_dim, dtype, device)
+        self.rope_cos, self.rope_sin = rope_tables(self.config, max_seq_len, device)
+        self.positions = torch.arange(max_seq_len, device=device)
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+        """tokens [B, T] at positions input_pos [T] (increasing) -> logits [B, T, V].
+
+        Attention reads cache positions [0, kv_len) (default: the whole cache); kv_len must exceed
+        every position in input_pos. T == kv_len means a prompt at positions 0..T-1 (plain causal).
+        """
+        if self.rope_cos is None:
+            raise MinferError("call setup_caches(max_batch_size, max_seq_len) before running the model")
+        kv_len = self.max_seq_len if kv_len is None else kv_len
+        mask = None if tokens.shape[1] == kv_len else self.positions[:kv_len] <= input_pos[:, None]
+        rope = (self.rope_cos, self.rope_sin)
+        residual = self.embed_tokens(tokens)
+        x = self.layers[0].input_layernorm(residual) if len(self.layers) else self.norm(residual)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x = layer(residual, x, input_pos, kv_len, mask, rope, next_norm)
+        return self.lm_head(x)
