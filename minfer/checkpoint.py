@@ -1,0 +1,297 @@
+"""Find a model (alias, HF repo id, local folder or the embedded demo), then fill a Transformer
+built on the meta device with its weights: from safetensors, or seeded random numbers.
+
+Every weight is allocated once, on the target device and in the target dtype, and filled tensor by
+tensor from memory-mapped safetensors; q/k/v and gate/up are written as row slices straight into
+the preallocated fused qkv_proj and gate_up_proj matrices. Only safetensors are read: never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ALIASES, KNOWN_CONFIGS, ModelConfig
+from .errors import CheckpointError, UnknownModelError
+from .tokenizer import bundled_tokenizer_path
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_PATTERNS = ["config.json", "generation_config.json", "tokenizer.model", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json"]
+WEIGHT_PATTERNS = ["*.safetensors", INDEX_FILE]
+INIT_STD = 0.02  # HF's initializer_range for Llama
+# Buffers some older checkpoints carry; minfer recomputes them.
+_IGNORED_TENSORS = re.compile(r".*\.rotary_emb\.inv_freq$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str  # what the user asked for
+    config: ModelConfig
+    path: Path | None  # folder holding the safetensors; None means random weights built in place
+    tokenizer_path: Path
+    is_random: bool  # the weights are random numbers: the output text means nothing
+
+
+# ----------------------------------------------------------------------------------------------
+# Finding a model
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
+    """`model`: None or "minfer-demo" (the embedded demo), an alias, a local folder, or an HF repo id.
+    `weights`: "hf" loads the checkpoint's safetensors, "random" builds its architecture with
+    seeded random weights (aliases need no download; other models fetch config.json only)."""
+    from .demo import DEMO_NAME, demo_checkpoint_dir
+
+    if weights not in ("hf", "random"):
+        raise CheckpointError(f"weights must be 'hf' or 'random', got {weights!r}")
+    if model is None or model == DEMO_NAME:
+        folder = demo_checkpoint_dir()
+        return ResolvedModel(DEMO_NAME, ModelConfig.from_json(folder / "config.json"), folder,
+                             folder / "tokenizer.model", is_random=True)
+    if model in ALIASES and weights == "random":
+        return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None, bundled_tokenizer_path(),
+                             is_random=True)
+    local = Path(model).expanduser()
+    if local.is_dir():
+        folder = local
+    elif model in ALIASES or _REPO_ID.match(model):
+        folder = download(ALIASES.get(model, model), with_weights=weights == "hf")
+    elif local.exists() or os.sep in model or model.startswith((".", "~")):
+        raise CheckpointError(f"{model} is not a directory; pass a folder holding config.json and *.safetensors")
+    else:
+        names = ", ".join([DEMO_NAME, *ALIASES])
+        raise UnknownModelError(f"unknown model {model!r}: use one of {names}, an HF repo id (owner/name) "
+                                "or a local checkpoint folder")
+    config = ModelConfig.from_json(folder / "config.json")
+    if weights == "random":
+        tokenizer = find_tokenizer(folder, required=False) or bundled_tokenizer_path()
+        return ResolvedModel(model, config, None, tokenizer, is_random=True)
+    weight_files(folder)  # fail now, before any allocation, if there is nothing to load
+    return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True), is_random=False)
+
+
+def find_tokenizer(folder: Path, required: bool) -> Path | None:
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (folder / name).is_file():
+            return folder / name
+    if required:
+        raise CheckpointError(f"{folder} has neither tokenizer.model nor tokenizer.json")
+    return None
+
+
+def download(repo_id: str, with_weights: bool) -> Path:
+    """Fetch config and tokenizer (and the safetensors weights) of an HF repo into the HF cache,
+    with a progress bar. HF_TOKEN authorizes gated repos such as meta-llama's."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
+                                        RepositoryNotFoundError)
+
+    patterns = CONFIG_PATTERNS + (WEIGHT_PATTERNS if with_weights else [])
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, token=os.environ.get("HF_TOKEN") or None))
+    except GatedRepoError:
+        raise CheckpointError(f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id}, then "
+                              "set HF_TOKEN to an access token (or pass a local checkpoint folder)") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id} does not exist on the Hugging Face Hub (a private repo needs HF_TOKEN)") from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        raise CheckpointError(f"cannot download {repo_id}: no network (or HF_HUB_OFFLINE is set) and it is not in the "
+                              "local HF cache; pass a local checkpoint folder, or --weights random for its "
+                              "architecture with random weights") from None
+    except Exception as e:  # network and HTTP failures of any kind: report them in one line
+        raise CheckpointError(f"downloading {repo_id} failed: {type(e).__name__}: {e}") from None
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the shard index or the single model.safetensors."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files = {name: folder / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard.name} listed in {INDEX_FILE} is missing from {folder}")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with _open(single, safe_open) as f:
+            return {name: single for name in f.keys()}
+    hint = " (only pickle .bin files, which minfer never loads)" if any(folder.glob("*.bin")) else ""
+    raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+# ----------------------------------------------------------------------------------------------
+# HF tensor names -> minfer tensors
+# ----------------------------------------------------------------------------------------------
+
+
+def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """HF tensor name -> (minfer tensor name, first row inside that tensor, HF shape).
+
+    q/k/v fill the rows of one qkv_proj matrix and gate/up the rows of one gate_up_proj matrix.
+    """
+    h, q, kv, inter, vocab = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size, config.vocab_size
+    layout = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", 0, (vocab, h)),
+        "model.norm.weight": ("norm.weight", 0, (h,)),
+    }
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = ("lm_head.fmt.weight", 0, (vocab, h))
+    for i in range(config.num_layers):
+        hf, attn, mlp = f"model.layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        layout |= {
+            hf + "self_attn.q_proj.weight": (attn + "qkv_proj.fmt.weight", 0, (q, h)),
+            hf + "self_attn.k_proj.weight": (attn + "qkv_proj.fmt.weight", q, (kv, h)),
+            hf + "self_attn.v_proj.weight": (attn + "qkv_proj.fmt.weight", q + kv, (kv, h)),
+            hf + "self_attn.o_proj.weight": (attn + "o_proj.fmt.weight", 0, (h, q)),
+            hf + "mlp.gate_proj.weight": (mlp + "gate_up_proj.fmt.weight", 0, (inter, h)),
+            hf + "mlp.up_proj.weight": (mlp + "gate_up_proj.fmt.weight", inter, (inter, h)),
+            hf + "mlp.down_proj.weight": (mlp + "down_proj.fmt.weight", 0, (h, inter)),
+            hf + "input_layernorm.weight": (f"layers.{i}.input_layernorm.weight", 0, (h,)),
+            hf + "post_attention_layernorm.weight": (f"layers.{i}.post_attention_layernorm.weight", 0, (h,)),
+        }
+    return layout
+
+
+def _targets(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Allocate the meta-built model on `device` (every weight once, uninitialized) and return its
+    checkpoint tensors, after checking they are exactly the ones the HF layout fills."""
+    layout = hf_tensor_map(model.config)
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, row, shape in layout.values():
+        expected[name] = (max(expected.get(name, (0,))[0], row + shape[0]), *shape[1:])
+    model.materialize(device, dtype)
+    targets = model.checkpoint_tensors()
+    if {n: tuple(t.shape) for n, t in targets.items()} != expected:
+        raise CheckpointError("the model's tensors do not match the HF layout of its config")
+    return targets
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading, random init, saving
+# ----------------------------------------------------------------------------------------------
+
+
+def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Fill a meta-built Transformer from the safetensors checkpoint in folder `path`.
+
+    Checks the checkpoint before allocating anything: every expected tensor present, nothing
+    unexpected, every shape right. Then copies tensor by tensor from the memory-mapped files (cast
+    to `dtype`) into the weights preallocated on `device`.
+    """
+    from safetensors import safe_open
+
+    folder = Path(path)
+    files = weight_files(folder)
+    layout = hf_tensor_map(model.config)
+    present = {name for name in files if not _IGNORED_TENSORS.match(name)}
+    if model.config.tie_word_embeddings:
+        present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    _refuse_difference(folder, "lacks", sorted(set(layout) - present))
+    _refuse_difference(folder, "has unexpected", sorted(present - set(layout)))
+
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(_open(file, safe_open)) for file in sorted({files[n] for n in layout})}
+        for name, (_, _, shape) in layout.items():
+            stored = tuple(handles[files[name]].get_slice(name).get_shape())
+            if stored != shape:
+                raise CheckpointError(f"tensor {name} in {files[name].name} has shape {stored}, expected {shape}")
+        targets = _targets(model, dtype, device)
+        with torch.no_grad():
+            for name, (target, row, shape) in layout.items():
+                source = handles[files[name]].get_tensor(name)  # one tensor at a time, from the mmap
+                targets[target][row:row + shape[0]].copy_(source)
+    return model
+
+
+def _refuse_difference(folder: Path, verb: str, names: list[str]) -> None:
+    if names:
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        hint = "" if verb == "lacks" else "; does config.json belong to these weights?"
+        raise CheckpointError(f"checkpoint {folder} {verb} tensor {names[0]}{more}{hint}")
+
+
+def random_init(model: nn.Module, seed: int, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Fill a meta-built Transformer with seeded random weights directly on `device`: matrices
+    normal(0, 0.02) as HF initializes Llama, norm weights 1. The same seed and device give the
+    same weights (the CPU and CUDA generators differ from each other)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for tensor in _targets(model, dtype, device).values():
+            if tensor.dim() == 1:
+                tensor.fill_(1.0)
+            else:
+                tensor.normal_(0.0, INIT_STD, generator=generator)
+    return model
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names (views), fused matrices split back into q/k/v and gate/up."""
+    tensors = model.checkpoint_tensors()
+    return {name: tensors[target][row:row + shape[0]]
+            for name, (target, row, shape) in hf_tensor_map(model.config).items()}
+
+
+def save_hf(model_or_state: nn.Module | dict[str, torch.Tensor], path: str | Path,
+            shard_size: int | None = None, config: ModelConfig | None = None) -> Path:
+    """Write an HF-layout safetensors checkpoint (plus config.json when the config is known).
+
+    A Transformer is saved under HF names; a dict is saved as given. With `shard_size` (bytes),
+    tensors are spread over model-0000i-of-0000n.safetensors files listed in the index.
+    """
+    from safetensors.torch import save_file
+
+    if isinstance(model_or_state, nn.Module):
+        config = config or model_or_state.config
+        state = hf_state_dict(model_or_state)
+    else:
+        state = model_or_state
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if shard_size is not None and shards[-1] and shard_bytes + size > shard_size:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor.detach().to("cpu").contiguous().clone()  # own storage: no shared views
+        shard_bytes += size
+    if len(shards) == 1:
+        save_file(shards[0], folder / SINGLE_FILE, metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, folder / file, metadata={"format": "pt"})
+            weight_map |= {name: file for name in shard}
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
+    return folder
+
+
+def _open(file: Path, safe_open):
+    """safe_open, with truncated or corrupt files reported as a CheckpointError naming the file."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError for bad headers
+        raise CheckpointError(f"{file} is truncated or corrupt ({e}); delete it and download again") from None
