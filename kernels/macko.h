@@ -1,0 +1,26 @@
+// MACKO-16-4 sparse matrices (see shared/FORMATS.md): SpMV/SpMM and decompression to dense.
+// A matrix of `rows` x `cols` is stored as `values` (P fp16/bf16, P % 8 == 0), `deltas` (P/2 bytes,
+// 4-bit column gaps, low nibble first) and `row_ptr` (rows + 1 int32). Framework-free launchers.
+#pragma once
+#include "launch.h"
+
+namespace minfer {
+
+// Launch knobs for benchmarking; 0 (or -1 for x_in_smem) picks the tuned default.
+struct MackoTuning {
+    int steps = 0;            // 256-entry warp steps loaded per pipeline stage: 1 or 2
+    int warps_per_block = 0;  // 4, 8 or 16 warps, one row per warp at a time
+    int x_in_smem = -1;       // 1: stage x in shared memory (gather from it); 0: gather x from global
+};
+
+// out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens. x is [tokens, cols], out is [tokens, rows],
+// both contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
+void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, DType dtype,
+                       const MackoTuning& tuning, cudaStream_t stream);
+
+// out = W as a dense, contiguous [rows, cols] matrix (every element written).
+void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,
+                             int64_t rows, int64_t cols, DType dtype, cudaStream_t stream);
+
+}  // namespace minfer

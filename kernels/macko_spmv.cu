@@ -1,0 +1,485 @@
+// MACKO-16-4 SpMV / SpMM and decompression, tuned for Hopper (see docs/perf-notes.md, "MACKO").
+//
+// Work split: one warp walks one row at a time (persistent grid, rows strided over all warps).
+// Each lane takes 8 consecutive entries per warp step (16 B of values, 4 B of nibbles, the same
+// "mutual alignment" as the reference kernel); a warp step covers 256 entries. Compared with the
+// reference kernel:
+// - loads are double-buffered: the next group of `STEPS` warp steps (possibly the first group of
+//   the warp's next row, whose row_ptr was prefetched) is in flight while the current one is decoded;
+// - x is staged once per block in shared memory (fp32 for one token, [cols][TT] fp16/bf16 for TT
+//   tokens) and gathered from there; the staging overlaps the first weight loads;
+// - nibble prefix sums inside a chunk use byte-parallel arithmetic (one multiply), and the warp scan
+//   of the chunk sums covers two steps at once (16-bit fields);
+// - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "device_utils.cuh"
+#include "macko.h"
+
+namespace minfer {
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kChunk = 8;                      // entries per lane per load
+constexpr int kStep = kWarpSize * kChunk;      // entries per warp step
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kMaxThreads = 512;
+
+__device__ __forceinline__ uint32_t load_stream_4B(const uint32_t* ptr) {
+    uint32_t r;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(ptr));
+    return r;
+}
+
+template <typename T> __device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
+template <> __device__ __forceinline__ float2 pair_to_float2<half>(uint32_t bits) {
+    __half2 h;
+    memcpy(&h, &bits, sizeof(h));
+    return __half22float2(h);
+}
+template <> __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t bits) {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Nibble prefix sums of one chunk: entry j sits at column `base + j + prefix(j)`.
+struct ChunkNibbles {
+    uint32_t even;  // byte k: nibbles 0..2k summed
+    uint32_t odd;   // byte k: nibbles 0..2k+1 summed
+    __device__ __forceinline__ int prefix(int j) const { return ((j & 1 ? odd : even) >> (8 * (j >> 1))) & 0xff; }
+    __device__ __forceinline__ uint32_t total() const { return odd >> 24; }
+};
+
+__device__ __forceinline__ ChunkNibbles chunk_nibbles(uint32_t nibbles) {
+    const uint32_t lo = nibbles & 0x0f0f0f0fu;          // nibbles 0, 2, 4, 6 (one per byte)
+    const uint32_t hi = (nibbles >> 4) & 0x0f0f0f0fu;   // nibbles 1, 3, 5, 7
+    const uint32_t odd = (lo + hi) * 0x01010101u;       // bytewise prefix sums, each <= 120: no carries
+    return {odd - hi, odd};
+}
+
+__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v, int lane) {
+#pragma unroll
+    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+        const uint32_t y = __shfl_up_sync(kFullMask, v, offset);
+        if (lane >= offset) v += y;
+    }
+    return v;
+}
+
+template <int STEPS>
+struct Group {
+    uint4 values[STEPS];
+    uint32_t nibbles[STEPS];
+};
+
+// Loads the STEPS warp steps starting at entry `a` (8-aligned); lanes past the row's end load nothing.
+template <int STEPS>
+__device__ __forceinline__ void load_group(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
+                                           int a, int e, int lane, Group<STEPS>& g) {
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const int c0 = a + k * kStep + lane * kChunk;
+        if (c0 < e) {
+            g.values[k] = load_stream_16B(values + c0 / kChunk);
+            g.nibbles[k] = load_stream_4B(deltas + c0 / kChunk);
+        } else {
+            g.values[k] = make_uint4(0, 0, 0, 0);
+            g.nibbles[k] = 0;
+        }
+    }
+}
+
+// Decodes one group of row entries [s, e) and hands every entry to the consumer. `carry` counts the
+// nibbles of the row's earlier entries. All lanes of the warp call this together.
+template <int STEPS, class Consumer>
+__device__ __forceinline__ void decode_group(Group<STEPS>& g, int a, int s, int e, int& carry, int lane,
+                                             Consumer& consumer) {
+    static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
+    ChunkNibbles nib[STEPS];
+    uint32_t packed = 0;
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const int c0 = a + k * kStep + lane * kChunk;
+        uint32_t bits = g.nibbles[k];
+        if (c0 < s) bits &= kFullMask << (4 * (s - c0));  // entries of the previous row (s - c0 <= 7)
+        nib[k] = chunk_nibbles(bits);
+        packed |= nib[k].total() << (16 * k);  // a step's sum is <= 32 * 120 < 2^16
+    }
+    const uint32_t inclusive = warp_inclusive_scan(packed, lane);
+    const uint32_t exclusive = inclusive - packed;
+    const uint32_t total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const int c0 = a + k * kStep + lane * kChunk;
+        const int base = c0 - s + carry + (int)((exclusive >> (16 * k)) & 0xffffu);
+        carry += (int)((total >> (16 * k)) & 0xffffu);
+        if (c0 >= s && c0 + kChunk <= e) {
+            consumer.template chunk<false>(g.values[k], nib[k], base, c0, s, e);
+        } else if (c0 < e) {
+            consumer.template chunk<true>(g.values[k], nib[k], base, c0, s, e);
+        }
+    }
+}
+
+// Walks rows first_row, first_row + stride, ... with one group of loads always in flight.
+// consumer.stage() runs once after the first loads are issued (all threads of the block).
+template <int STEPS, class Consumer>
+__device__ __forceinline__ void walk_rows(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
+                                          const int* __restrict__ row_ptr, int rows, int first_row, int stride,
+                                          int lane, Consumer& consumer) {
+    constexpr int kAlign = ~(kChunk - 1);
+    int row = first_row;
+    int s = 0, e = 0, next_s = 0, next_e = 0;
+    if (row < rows) {
+        s = row_ptr[row];
+        e = row_ptr[row + 1];
+    }
+    if (row + stride < rows) {
+        next_s = row_ptr[row + stride];
+        next_e = row_ptr[row + stride + 1];
+    }
+    int a = s & kAlign;
+    Group<STEPS> cur;
+    load_group(values, deltas, a, e, lane, cur);
+    consumer.stage();
+
+    int carry = 0;
+    while (row < rows) {
+        int nrow = row, ns = s, ne = e, na = a + STEPS * kStep;
+        if (na >= e) {  // this group ends the row: the next one starts the warp's next row
+            nrow = row + stride;
+            ns = next_s;
+            ne = next_e;
+            na = ns & kAlign;
+            if (nrow + stride < rows) {
+                next_s = row_ptr[nrow + stride];
+                next_e = row_ptr[nrow + stride + 1];
+            }
+        }
+        Group<STEPS> nxt;
+        load_group(values, deltas, na, nrow < rows ? ne : 0, lane, nxt);
+
+        if (a == (s & kAlign)) consumer.begin_row(row);
+        decode_group(cur, a, s, e, carry, lane, consumer);
+        if (nrow != row) {
+            consumer.end_row(row);
+            carry = 0;
+        }
+        row = nrow;
+        s = ns;
+        e = ne;
+        a = na;
+        cur = nxt;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ float value_at(const uint4& v, int j) {
+    const float2 f = pair_to_float2<T>(word_of(v, j >> 1));
+    return (j & 1) ? f.y : f.x;
+}
+
+// y[t, row] for TT tokens. X_IN_SMEM: x staged in shared memory (fp32 [cols] when TT == 1, else
+// [cols][TT] in T); otherwise gathered from global memory (TT == 1 only).
+template <typename T, int TT, bool X_IN_SMEM>
+struct SpmvConsumer {
+    static_assert(X_IN_SMEM || TT == 1, "the global-x path handles one token per pass");
+    const T* __restrict__ x;  // this pass's first token
+    T* __restrict__ out;      // this pass's first token
+    void* smem;
+    int rows, cols, tokens;   // tokens left from this pass's first one
+    int lane;
+    float acc[TT];
+
+    __device__ __forceinline__ void stage() {
+        if constexpr (X_IN_SMEM) {
+            if constexpr (TT == 1) {
+                float* xs = static_cast<float*>(smem);
+                for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = to_float(x[i]);
+            } else {
+                uint32_t* xs = static_cast<uint32_t*>(smem);
+                const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
+                for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+                    uint32_t w[TT / 2];
+#pragma unroll
+                    for (int p = 0; p < TT / 2; ++p) {
+                        const uint32_t lo = 2 * p < tokens ? xb[(int64_t)(2 * p) * cols + i] : 0u;
+                        const uint32_t hi = 2 * p + 1 < tokens ? xb[(int64_t)(2 * p + 1) * cols + i] : 0u;
+                        w[p] = lo | (hi << 16);
+                    }
+                    uint32_t* dst = xs + (int64_t)i * (TT / 2);
+                    if constexpr (TT == 2) {
+                        dst[0] = w[0];
+                    } else if constexpr (TT == 4) {
+                        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+                    } else {
+#pragma unroll
+                        for (int q = 0; q < TT / 8; ++q)
+                            reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+
+    __device__ __forceinline__ void begin_row(int) {
+#pragma unroll
+        for (int t = 0; t < TT; ++t) acc[t] = 0.f;
+    }
+
+    template <bool CHECK>
+    __device__ __forceinline__ void chunk(const uint4& v, const ChunkNibbles& nib, int base, int c0, int s, int e) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+            if (CHECK && (c0 + j < s || c0 + j >= e)) continue;
+            const int col = base + j + nib.prefix(j);
+            const float w = value_at<T>(v, j);
+            if constexpr (!X_IN_SMEM) {
+                acc[0] = fmaf(w, to_float(x[col]), acc[0]);
+            } else if constexpr (TT == 1) {
+                acc[0] = fmaf(w, static_cast<const float*>(smem)[col], acc[0]);
+            } else {
+                const uint32_t* src = static_cast<const uint32_t*>(smem) + (int64_t)col * (TT / 2);
+                uint32_t xw[TT / 2];
+                if constexpr (TT == 2) {
+                    xw[0] = src[0];
+                } else if constexpr (TT == 4) {
+                    const uint2 q = *reinterpret_cast<const uint2*>(src);
+                    xw[0] = q.x;
+                    xw[1] = q.y;
+                } else {
+#pragma unroll
+                    for (int q = 0; q < TT / 8; ++q) {
+                        const uint4 u = reinterpret_cast<const uint4*>(src)[q];
+                        xw[4 * q] = u.x;
+                        xw[4 * q + 1] = u.y;
+                        xw[4 * q + 2] = u.z;
+                        xw[4 * q + 3] = u.w;
+                    }
+                }
+#pragma unroll
+                for (int p = 0; p < TT / 2; ++p) {
+                    const float2 xf = pair_to_float2<T>(xw[p]);
+                    acc[2 * p] = fmaf(w, xf.x, acc[2 * p]);
+                    acc[2 * p + 1] = fmaf(w, xf.y, acc[2 * p + 1]);
+                }
+            }
+        }
+    }
+
+    __device__ __forceinline__ void end_row(int row) {
+        float mine = 0.f;  // lane t keeps token t's sum
+#pragma unroll
+        for (int t = 0; t < TT; ++t) {
+            const float sum = warp_sum(acc[t]);
+            if (lane == t) mine = sum;
+        }
+        if (lane < TT && lane < tokens) out[(int64_t)lane * rows + row] = from_float<T>(mine);
+    }
+};
+
+template <typename T, int TT, int STEPS, bool X_IN_SMEM>
+__global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __restrict__ values,
+                                                                 const uint32_t* __restrict__ deltas,
+                                                                 const int* __restrict__ row_ptr,
+                                                                 const T* __restrict__ x, T* __restrict__ out,
+                                                                 int rows, int cols, int tokens) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warps = blockDim.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    const int token0 = blockIdx.y * TT;
+    SpmvConsumer<T, TT, X_IN_SMEM> consumer{x + (int64_t)token0 * cols, out + (int64_t)token0 * rows, smem,
+                                            rows, cols, tokens - token0, lane, {}};
+    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize,
+                     gridDim.x * warps, lane, consumer);
+}
+
+// Dense rows: each warp zero-fills its row, then scatters the stored entries (16-bit copies).
+struct DecompressConsumer {
+    uint16_t* __restrict__ out;
+    int cols;
+    int lane;
+    bool vector_fill;  // rows are 16-byte aligned
+    uint16_t* row_out;
+
+    __device__ __forceinline__ void stage() {}
+
+    __device__ __forceinline__ void begin_row(int row) {
+        row_out = out + (int64_t)row * cols;
+        if (vector_fill) {
+            for (int c = lane * 8; c < cols; c += kWarpSize * 8)
+                *reinterpret_cast<uint4*>(row_out + c) = make_uint4(0, 0, 0, 0);
+        } else {
+            for (int c = lane; c < cols; c += kWarpSize) row_out[c] = 0;
+        }
+        __syncwarp();  // the zeros land before this warp's scattered entries
+    }
+
+    template <bool CHECK>
+    __device__ __forceinline__ void chunk(const uint4& v, const ChunkNibbles& nib, int base, int c0, int s, int e) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+            if (CHECK && (c0 + j < s || c0 + j >= e)) continue;
+            const uint32_t w = word_of(v, j >> 1);
+            row_out[base + j + nib.prefix(j)] = (uint16_t)((j & 1) ? (w >> 16) : (w & 0xffffu));
+        }
+    }
+
+    __device__ __forceinline__ void end_row(int) {}
+};
+
+template <int STEPS>
+__global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uint4* __restrict__ values,
+                                                                       const uint32_t* __restrict__ deltas,
+                                                                       const int* __restrict__ row_ptr,
+                                                                       uint16_t* __restrict__ out, int rows,
+                                                                       int cols) {
+    const int warps = blockDim.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    const bool vector_fill = cols % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    DecompressConsumer consumer{out, cols, lane, vector_fill, out};
+    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize,
+                     gridDim.x * warps, lane, consumer);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kDefaultSteps = 2;
+constexpr int kDefaultWarpsPerBlock = 8;
+
+struct DeviceLimits {
+    int sm_count;
+    int smem_optin;  // dynamic shared memory one block may opt into
+};
+
+DeviceLimits device_limits() {
+    static std::mutex mutex;
+    static std::map<int, DeviceLimits> cache;
+    int device = 0;
+    cudaGetDevice(&device);
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(device);
+    if (it == cache.end()) {
+        DeviceLimits limits{};
+        cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device);
+        cudaDeviceGetAttribute(&limits.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        it = cache.emplace(device, limits).first;
+    }
+    return it->second;
+}
+
+// Blocks of `kernel` resident per SM at this size; raises the kernel's dynamic shared memory limit
+// first when it needs more than the default 48 KB. Cached, so graph capture sees no new calls.
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
+    static std::mutex mutex;
+    static std::map<std::tuple<const void*, int, int, int>, int> cache;
+    int device = 0;
+    cudaGetDevice(&device);
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem_bytes, device);
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+        if (smem_bytes > 48 * 1024)
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        int blocks = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes);
+        it = cache.emplace(key, blocks < 1 ? 1 : blocks).first;
+    }
+    return it->second;
+}
+
+template <typename Kernel>
+dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_bytes, int passes) {
+    const int wanted = ceil_div(rows, warps_per_block);
+    const int resident = resident_blocks_per_sm(kernel, warps_per_block * kWarpSize, smem_bytes) *
+                         device_limits().sm_count;
+    return dim3(wanted < resident ? wanted : resident, passes);
+}
+
+template <typename T, int TT, int STEPS, bool X_IN_SMEM>
+void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
+                       int rows, int cols, int tokens, int warps_per_block, cudaStream_t stream) {
+    auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM>;
+    const int smem = !X_IN_SMEM ? 0 : TT == 1 ? cols * (int)sizeof(float) : cols * TT * (int)sizeof(T);
+    const dim3 grid = persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT));
+    kernel<<<grid, warps_per_block * kWarpSize, smem, stream>>>(
+        static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
+        static_cast<const T*>(x), static_cast<T*>(out), rows, cols, tokens);
+}
+
+template <typename T, int STEPS>
+void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
+                       int rows, int cols, int tokens, int tokens_per_pass, bool x_in_smem, int warps_per_block,
+                       cudaStream_t stream) {
+    const auto args = std::make_tuple(values, deltas, row_ptr, x, out, rows, cols, tokens, warps_per_block, stream);
+    if (!x_in_smem) return std::apply(launch_spmv_typed<T, 1, STEPS, false>, args);
+    switch (tokens_per_pass) {
+        case 1: return std::apply(launch_spmv_typed<T, 1, STEPS, true>, args);
+        case 2: return std::apply(launch_spmv_typed<T, 2, STEPS, true>, args);
+        case 4: return std::apply(launch_spmv_typed<T, 4, STEPS, true>, args);
+        case 8: return std::apply(launch_spmv_typed<T, 8, STEPS, true>, args);
+        default: return std::apply(launch_spmv_typed<T, 16, STEPS, true>, args);
+    }
+}
+
+template <typename T>
+void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
+                       int rows, int cols, int tokens, const MackoTuning& tuning, cudaStream_t stream) {
+    const int smem_optin = device_limits().smem_optin;
+    // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
+    // are read once; one token per pass with fp32 x otherwise.
+    int per_pass = 1;
+    while (per_pass < tokens && per_pass < 16) per_pass *= 2;
+    while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
+    bool x_in_smem = tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
+    if (!x_in_smem) per_pass = 1;
+    const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
+    // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
+    const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block
+                      : per_pass > 1             ? kMaxThreads / kWarpSize
+                                                 : kDefaultWarpsPerBlock;
+    if (steps == 1)
+        launch_spmv_steps<T, 1>(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
+    else
+        launch_spmv_steps<T, 2>(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
+}
+
+}  // namespace
+
+void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, DType dtype,
+                       const MackoTuning& tuning, cudaStream_t stream) {
+    if (rows == 0 || tokens == 0) return;
+    switch (dtype) {
+        case DType::kFloat16:
+            launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, tuning, stream);
+            break;
+        case DType::kBFloat16:
+            launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
+                                             tuning, stream);
+            break;
+        case DType::kFloat32: break;  // rejected by the binding
+    }
+}
+
+void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,
+                             int64_t rows, int64_t cols, DType, cudaStream_t stream) {
+    if (rows == 0) return;
+    auto kernel = macko_decompress_kernel<kDefaultSteps>;
+    const dim3 grid = persistent_grid(kernel, (int)rows, kDefaultWarpsPerBlock, 0, 1);
+    kernel<<<grid, kDefaultWarpsPerBlock * kWarpSize, 0, stream>>>(
+        static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
+        static_cast<uint16_t*>(out), (int)rows, (int)cols);
+}
+
+}  // namespace minfer
