@@ -9,6 +9,7 @@
 #include "activation.h"
 #include "argmax.h"
 #include "gemv.h"
+#include "macko.h"
 
 namespace {
 
@@ -79,16 +80,82 @@ void argmax(const at::Tensor& logits, at::Tensor& out) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+
+void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const char* op) {
+    check_cuda_contiguous(values, "values");
+    check_cuda_contiguous(deltas, "deltas");
+    check_cuda_contiguous(row_ptr, "row_ptr");
+    TORCH_CHECK(values.dim() == 1 && deltas.dim() == 1 && row_ptr.dim() == 1, op, ": values, deltas, row_ptr must be 1-D");
+    TORCH_CHECK(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16, op,
+                ": values must be float16 or bfloat16, got ", values.scalar_type());
+    TORCH_CHECK(deltas.scalar_type() == at::kByte, op, ": deltas must be uint8");
+    TORCH_CHECK(row_ptr.scalar_type() == at::kInt, op, ": row_ptr must be int32");
+    TORCH_CHECK(values.numel() % 8 == 0 && deltas.numel() * 2 == values.numel(), op,
+                ": values must hold a multiple of 8 entries and deltas half as many bytes");
+    TORCH_CHECK(values.numel() < INT32_MAX && row_ptr.numel() >= 1 && row_ptr.numel() <= INT32_MAX, op,
+                ": the matrix is too large for int32 indices");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(deltas.data_ptr()) % 4 == 0,
+                op, ": values must be 16-byte and deltas 4-byte aligned (clone them)");
+    TORCH_CHECK(deltas.device() == values.device() && row_ptr.device() == values.device(), op,
+                ": tensors on different devices");
+}
+
+void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
+                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem) {
+    check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(out, "out");
+    TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.macko_spmv: expects x [T, K] and out [T, N]");
+    const int64_t rows = row_ptr.numel() - 1, cols = x.size(1), tokens = x.size(0);
+    TORCH_CHECK(out.size(0) == tokens && out.size(1) == rows, "minfer.macko_spmv: out must be [", tokens, ", ", rows, "]");
+    TORCH_CHECK(cols <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
+    TORCH_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
+                "minfer.macko_spmv: values, x and out must share one dtype");
+    TORCH_CHECK(x.device() == values.device() && out.device() == values.device(),
+                "minfer.macko_spmv: tensors on different devices");
+    TORCH_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
+    TORCH_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
+                "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
+    const c10::cuda::CUDAGuard guard(values.device());
+    minfer::MackoTuning tuning;
+    tuning.steps = (int)steps;
+    tuning.warps_per_block = (int)warps_per_block;
+    tuning.x_in_smem = (int)x_in_smem;
+    minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, dtype_of(values), tuning,
+                              current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void macko_decompress(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, at::Tensor& out) {
+    check_macko(values, deltas, row_ptr, "minfer.macko_decompress");
+    check_cuda_contiguous(out, "out");
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == row_ptr.numel() - 1,
+                "minfer.macko_decompress: out must be [rows, cols] with rows = row_ptr.numel() - 1");
+    TORCH_CHECK(out.size(1) <= INT32_MAX, "minfer.macko_decompress: too many columns");
+    TORCH_CHECK(out.scalar_type() == values.scalar_type(), "minfer.macko_decompress: out must have the values' dtype");
+    TORCH_CHECK(out.device() == values.device(), "minfer.macko_decompress: tensors on different devices");
+    const c10::cuda::CUDAGuard guard(values.device());
+    minfer::launch_macko_decompress(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
+                                    out.data_ptr(), out.size(0), out.size(1), dtype_of(values), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps=0, int warps_per_block=0, int x_in_smem=-1) -> ()");
+    m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("gemv", &gemv);
     m.impl("argmax", &argmax);
+    m.impl("macko_spmv", &macko_spmv);
+    m.impl("macko_decompress", &macko_decompress);
 }
