@@ -1,10 +1,12 @@
-"""Dense storage: the [N, K] matrix as it is, multiplied with torch's F.linear."""
+"""Dense storage: the [N, K] matrix as it is. Decode (1..8 tokens) on a GPU runs minfer's GEMV;
+anything else goes through torch's F.linear."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..errors import FormatError
 from .base import WeightFormat
 
@@ -26,4 +28,8 @@ class DenseWeight(WeightFormat):
         return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.numel() // max(x.shape[-1], 1)
+        if (1 <= tokens <= ops.GEMV_MAX_TOKENS and x.dtype == self.weight.dtype
+                and x.dtype in (torch.float16, torch.bfloat16) and ops.use_kernels(x)):
+            return ops.gemv(x, self.weight)
         return F.linear(x, self.weight)

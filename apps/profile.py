@@ -1,0 +1,109 @@
+"""Run chosen kernels, or one decode step, a few times inside NVTX ranges between
+cudaProfilerStart/Stop, so that a profiler started with capture off sees exactly that region:
+
+  ncu --set full --profile-from-start off python apps/profile.py --op gemv
+  ncu --set full --profile-from-start off -o gemv python apps/profile.py --op gemv --shapes 4096x11008 --baseline
+  nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode
+
+Warm-up (JIT build, allocation, library init) runs before the profiled region. `--baseline` also
+runs each case's vendor baseline in its own range ("baseline: ...") for a side-by-side report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
+
+import torch  # noqa: E402
+
+from minfer.bench import kernel_suite  # noqa: E402
+from minfer.errors import DeviceError, MinferError  # noqa: E402
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+DECODE = "decode"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="apps/profile.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", required=True, choices=[*kernel_suite.registered_ops(), DECODE],
+                        help="a kernel from the benchmark registry, or one decode step of --model")
+    parser.add_argument("--shapes", default=None, help="comma-separated shape labels (default: every case)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
+    parser.add_argument("--iters", type=int, default=3, help="profiled runs of each case (default 3)")
+    parser.add_argument("--baseline", action="store_true", help="also run the vendor baseline of each case")
+    parser.add_argument("--model", default="llama2-7b", help="decode: known model alias, random weights")
+    parser.add_argument("--context", type=int, default=512, help="decode: cache positions filled before the step")
+    return parser
+
+
+class ProfiledRegion:
+    """cudaProfilerStart/Stop around the block, with the device idle at both ends."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+def profile_kernels(args: argparse.Namespace) -> None:
+    shapes = args.shapes.split(",") if args.shapes else None
+    cases = kernel_suite.select([args.op], shapes, DTYPES[args.dtype])
+    prepared = []
+    for case in cases:
+        ours, baseline = case.build(1)
+        ours(0)
+        if args.baseline and baseline is not None:
+            baseline(0)
+        prepared.append((case, ours, baseline if args.baseline else None))
+    with ProfiledRegion():
+        for case, ours, baseline in prepared:
+            for it in range(args.iters):
+                with torch.cuda.nvtx.range(f"minfer: {case.op} {case.shape} #{it}"):
+                    ours(0)
+                if baseline is not None:
+                    with torch.cuda.nvtx.range(f"baseline: {case.baseline} {case.shape} #{it}"):
+                        baseline(0)
+    print(f"profiled {len(prepared)} case(s) of {args.op}, {args.iters} run(s) each")
+
+
+@torch.inference_mode()
+def profile_decode(args: argparse.Namespace) -> None:
+    """One-token forward passes at position `context` (eager, so each kernel shows on its own)."""
+    from minfer.bench.e2e_suite import build_model
+
+    model = build_model(args.model, DTYPES[args.dtype])
+    model.setup_caches(1, args.context + 1)
+    token = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
+    pos = torch.tensor([args.context], device="cuda")
+    model(token, pos)  # warm-up
+    with ProfiledRegion():
+        for it in range(args.iters):
+            with torch.cuda.nvtx.range(f"minfer: decode step {args.model} pos {args.context} #{it}"):
+                model(token, pos)
+    print(f"profiled {args.iters} decode step(s) of {args.model} at position {args.context}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if not torch.cuda.is_available():
+            raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")
+        if args.op == DECODE:
+            profile_decode(args)
+        else:
+            profile_kernels(args)
+    except MinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""End-to-end benchmark: prefill and decode speed of a random-weight model at batch 1, minfer's
+kernels against the plain-torch path of the same model code (`ops.set_backend("torch")`).
+
+Each backend gets a fresh Generator and one full warm-up generation (graph capture, library init);
+the second generation is the one reported. EOS is disabled so every run decodes all its tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from .. import ops
+from ..checkpoint import load_model, resolve
+from ..generate import Generator
+from ..sampling import SamplingParams
+from .report import Column
+
+BACKENDS = ("minfer", "torch")
+
+COLUMNS = [
+    Column("model", "model"),
+    Column("backend", "backend"),
+    Column("phase", "phase"),
+    Column("tokens", "tokens"),
+    Column("ms", "ms", "{:.1f}"),
+    Column("tok_s", "tok/s", "{:.1f}"),
+    Column("gb_s", "weights GB/s", "{:.0f}"),
+    Column("pct_copy", "% copy BW", "{:.1f}"),
+    Column("speedup", "vs torch", "{:.2f}x"),
+]
+
+
+def build_model(name: str, dtype: torch.dtype, seed: int = 0):
+    """A random-weight model of a known architecture on the GPU (no download)."""
+    resolved = resolve(name, "random")
+    return load_model(resolved, dtype, "cuda", seed=seed)
+
+
+def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int) -> dict:
+    previous = ops.backend()
+    ops.set_backend(backend)
+    try:
+        generator = Generator(model, None, len(prompt_ids) + new_tokens, "cuda")
+        generator.eos_id = None
+        for _ in range(2):  # the first run captures the graphs and initialises the libraries
+            result = generator.generate(prompt_ids, SamplingParams(), max_new_tokens=new_tokens)
+        del generator
+    finally:
+        ops.set_backend(previous)
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result.stats.as_dict()
+
+
+def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int = 256,
+        dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0) -> list[dict]:
+    model = build_model(model_name, dtype, seed)
+    prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+    rows = []
+    for backend in BACKENDS:
+        stats = measure_backend(model, backend, prompt_ids, new_tokens)
+        common = {"model": model_name, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
+                  "peak_mem_gb": stats["peak_mem_gb"]}
+        rows.append({**common, "phase": "prefill", "tokens": prompt_tokens, "ms": stats["prefill_ms"],
+                     "tok_s": prompt_tokens / stats["prefill_ms"] * 1e3, "gb_s": None, "pct_copy": None})
+        decode_gbs = stats["weight_gb_s"]
+        rows.append({**common, "phase": "decode", "tokens": stats["new_tokens"], "ms": 1e3 / stats["decode_tok_s"],
+                     "tok_s": stats["decode_tok_s"], "gb_s": decode_gbs,
+                     "pct_copy": 100 * decode_gbs / copy_gbs if copy_gbs else None})
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch_rows = {row["phase"]: row for row in rows if row["backend"] == "torch"}
+    for row in rows:
+        row["speedup"] = row["tok_s"] / torch_rows[row["phase"]]["tok_s"]
+    return rows

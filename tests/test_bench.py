@@ -1,0 +1,46 @@
+"""Benchmark plumbing that needs no GPU: case selection, the table, JSON and the plot."""
+
+import json
+
+import pytest
+import torch
+
+from minfer.bench import e2e_suite, kernel_suite, report
+from minfer.errors import MinferError
+
+
+def test_registry_finds_the_case_modules_and_filters_by_shape():
+    assert {"gemv", "argmax"} <= set(kernel_suite.registered_ops())
+    cases = kernel_suite.select(["gemv"], ["4096x11008"], torch.float16)
+    assert [case.shape for case in cases] == ["4096x11008 t1", "4096x11008 t8"]
+    assert cases[0].bytes == 2 * (4096 * 11008 + 11008 + 4096)
+    with pytest.raises(MinferError, match="unknown op"):
+        kernel_suite.select(["no_such_op"])
+    with pytest.raises(MinferError, match="no case has shape"):
+        kernel_suite.select(["gemv"], ["3x3"])
+
+
+def test_table_json_and_plot(tmp_path, capsys):
+    env = {"date": "2026-01-01T00:00:00+00:00", "commit": "abc", "torch": torch.__version__, "device": "test"}
+    kernel_rows = [
+        {"op": "gemv", "shape": "4096x4096 t1", "dtype": "float16", "minfer_ms": 0.01, "baseline": "F.linear",
+         "baseline_ms": 0.012, "gbs": 3000.0, "pct_copy": 91.0, "baseline_pct_copy": 80.0, "tflops": 3.0,
+         "speedup": 1.2},
+        {"op": "sample_top_k", "shape": "1x32000", "dtype": "float16", "minfer_ms": 0.05, "baseline": None,
+         "baseline_ms": None, "gbs": 1.0, "pct_copy": None, "tflops": None, "speedup": None},
+    ]
+    e2e_rows = [{"model": "m", "backend": b, "phase": p, "tokens": 1, "ms": 1.0, "tok_s": t, "gb_s": None,
+                 "pct_copy": None, "speedup": 1.0} for b, p, t in [("minfer", "decode", 300.0), ("torch", "decode", 200.0)]]
+    report.print_table("kernels", kernel_suite.COLUMNS, kernel_rows)
+    report.print_table("e2e", e2e_suite.COLUMNS, e2e_rows)
+    printed = capsys.readouterr().out
+    assert "4096x4096 t1" in printed and "1.20x" in printed and "—" in printed
+    report.write_json(tmp_path / "bench.json", env, {"kernels": kernel_rows, "e2e": e2e_rows})
+    assert json.loads((tmp_path / "bench.json").read_text())["kernels"][0]["speedup"] == 1.2
+    report.plot(tmp_path / "bench.png", env, kernel_rows, e2e_rows)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_environment_names_the_commit():
+    env = report.environment()
+    assert env["commit"] and env["torch"] == torch.__version__

@@ -1,0 +1,118 @@
+"""Decode GEMV: the tensor-core kernel (and its scalar fallback) against a float64 reference."""
+
+import pytest
+import torch
+
+from minfer import ops
+from minfer.errors import FormatError
+from tests.conftest import requires_cuda
+
+DTYPES = [torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # about 4x the rounding of the output dtype
+# (N, K): N off the 16-row tile; K with a partial last 32-wide step, leftover steps, uneven batches
+# per warp (11008); K % 8 != 0 runs the scalar fallback.
+SHAPES = [(1, 8), (5, 40), (77, 1000), (129, 4096), (300, 4104), (4099, 264), (4096, 11008), (33, 1001), (7, 13)]
+
+
+def reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t()
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def random_problem(tokens, n, k, dtype, device="cuda"):
+    x = torch.randn(tokens, k, device=device, dtype=dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    out = torch.full((tokens, n), float("nan"), device=device, dtype=dtype)
+    return x, w, out
+
+
+def test_cpu_path_keeps_leading_dims():
+    x = torch.randn(2, 1, 40)
+    w = torch.randn(24, 40)
+    out = ops.gemv(x, w)
+    assert out.shape == (2, 1, 24)
+    assert rel_error(out, reference64(x, w)) < 1e-6
+
+
+def test_rejects_more_than_eight_tokens_and_mismatched_k():
+    with pytest.raises(FormatError, match="1..8 tokens"):
+        ops.gemv(torch.randn(9, 16), torch.randn(4, 16))
+    with pytest.raises(FormatError, match="w \\[N, 16\\]"):
+        ops.gemv(torch.randn(1, 16), torch.randn(4, 15))
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", range(1, 9))
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_matches_float64(n, k, tokens, dtype):
+    x, w, out = random_problem(tokens, n, k, dtype)
+    ops.gemv(x, w, out=out)
+    assert not out.isnan().any(), "some outputs were never written"
+    assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_unaligned_views(dtype):
+    """Rows that do not start on 16 bytes (an offset view) take the scalar path and stay correct."""
+    n, k, tokens = 40, 64, 3
+    w = (torch.randn(n * k + 1, device="cuda") / k**0.5).to(dtype)[1:].view(n, k)
+    x = torch.randn(tokens * k + 1, device="cuda", dtype=dtype)[1:].view(tokens, k)
+    out = torch.full((tokens, n), float("nan"), device="cuda", dtype=dtype)
+    ops.gemv(x, w, out=out)
+    assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype]
+
+
+@requires_cuda
+def test_gemv_chain_in_cuda_graph():
+    """Two dependent GEMVs captured in one graph: the second reads what the first wrote (this is what
+    the programmatic-dependent-launch wait must guarantee), replayed on fresh inputs."""
+    dtype = torch.float16
+    x, w1, h = random_problem(2, 2048, 1024, dtype)
+    w2 = (torch.randn(777, 2048, device="cuda") / 2048**0.5).to(dtype)
+    y = torch.empty(2, 777, device="cuda", dtype=dtype)
+    ops.gemv(x, w1, out=h)
+    ops.gemv(h, w2, out=y)  # eager run: builds and warms up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.gemv(x, w1, out=h)
+        ops.gemv(h, w2, out=y)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = reference64(reference64(x, w1).to(dtype), w2)
+        assert rel_error(y, expected) < 2 * TOLERANCE[dtype]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemv_opcheck(dtype):
+    x, w, out = random_problem(3, 48, 96, dtype)
+    torch.library.opcheck(torch.ops.minfer.gemv.default, (x, w, out))
+
+
+@requires_cuda
+def test_gemv_rejects_float32():
+    x, w, out = random_problem(1, 16, 32, torch.float32)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        ops.gemv(x, w, out=out)
+
+
+@requires_cuda
+def test_dense_weight_decode_runs_gemv():
+    """DenseWeight sends 1..8 tokens through ops.gemv (bit-identical to calling it) and more to F.linear."""
+    from minfer.formats import DenseWeight
+
+    x, w, _ = random_problem(3, 300, 512, torch.float16)
+    dense = DenseWeight(w)
+    assert torch.equal(dense(x.view(3, 1, 512)).view(3, 300), ops.gemv(x, w))
+    prefill = torch.randn(9, 512, device="cuda", dtype=torch.float16)
+    assert rel_error(dense(prefill), reference64(prefill, w)) < TOLERANCE[torch.float16]
