@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import ALIASES, KNOWN_CONFIGS, ModelConfig
 from .errors import CheckpointError, UnknownModelError
+from .model import Transformer
 from .tokenizer import bundled_tokenizer_path
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -186,6 +187,14 @@ def _targets(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -
 # ----------------------------------------------------------------------------------------------
 # Loading, random init, saving
 # ----------------------------------------------------------------------------------------------
+
+
+def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """The Transformer of a resolved model on `device`: its checkpoint, or seeded random weights."""
+    model = Transformer(resolved.config)
+    if resolved.path is None:
+        return random_init(model, seed, dtype, device)
+    return load_weights(model, resolved.path, dtype, device)
 
 
 def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:

@@ -1,0 +1,166 @@
+"""Generate text with minfer.
+
+With no flags it runs the embedded demo (a tiny random-weight Llama and the bundled tokenizer),
+offline, on the GPU if there is one. Generated text streams to stdout; notes and stats go to stderr.
+
+Examples:
+  python apps/generate.py
+  python apps/generate.py --model llama2-7b --weights random --max-new-tokens 256
+  HF_TOKEN=hf_... python apps/generate.py --model llama2-7b-chat --chat --prompt "Name three rivers."
+  python apps/generate.py --model tinyllama-1.1b --temperature 0.8 --top-p 0.95 --prompt "The ocean"
+  python apps/generate.py --model /path/to/hf-checkpoint --dtype bfloat16 --json
+
+Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
+repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
+A local folder with config.json, *.safetensors and tokenizer.model works offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
+
+import torch  # noqa: E402
+
+from minfer import formats  # noqa: E402
+from minfer.checkpoint import load_model, resolve  # noqa: E402
+from minfer.config import ALIASES  # noqa: E402
+from minfer.demo import DEMO_NAME  # noqa: E402
+from minfer.errors import ContextLengthError, MinferError  # noqa: E402
+from minfer.generate import Generator  # noqa: E402
+from minfer.runtime import DTYPES, check_memory, pick_device, pick_dtype  # noqa: E402
+from minfer.sampling import SamplingParams  # noqa: E402
+from minfer.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
+
+DEFAULT_PROMPT = "The harbour town wakes before the sun does."
+DEFAULT_MAX_SEQ_LEN = 4096  # cap on the KV cache when --max-seq-len is not given
+REAL_MODEL_HINT = ("for real text run a trained model, e.g. --model tinyllama-1.1b (about 2.2 GB, no login), "
+                   "--model llama2-7b-chat --chat with HF_TOKEN set, or --model /path/to/hf-checkpoint")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """Bad flags: one line on stderr and exit code 2, like every other input error."""
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="apps/generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, metavar="NAME",
+                       help=f"alias ({', '.join(ALIASES)}), HF repo id (owner/name) or local folder "
+                            f"(default: {DEMO_NAME}, the embedded random-weight demo)")
+    model.add_argument("--weights", choices=("hf", "random"), default="hf",
+                       help="hf: the checkpoint's weights (downloaded if needed); random: the same architecture "
+                            "with seeded random weights, no download (default: hf)")
+    model.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                       help="weight and activation dtype (default: float16 on GPU, float32 on CPU)")
+    model.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    model.add_argument("--sparse", choices=sorted({*formats.FORMATS, *formats.ALIASES}), default="none",
+                       help="weight format of the attention and MLP projections (default: none = dense)")
+    model.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                       help=f"context length: KV cache positions for prompt + generated tokens "
+                            f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
+    text = parser.add_argument_group("generation")
+    text.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    text.add_argument("--chat", action="store_true", help="wrap the prompt in the Llama-2 chat template ([INST] ... [/INST])")
+    text.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: %(default)s")
+    text.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    text.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
+    text.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0, off)")
+    text.add_argument("--seed", type=int, default=0, help="seeds sampling and random weights (default: %(default)s)")
+    text.add_argument("--json", action="store_true",
+                      help="print one JSON object (prompt ids, generated ids, text, stats) instead of streaming")
+    return parser
+
+
+def note(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    if args.max_new_tokens < 1:
+        raise MinferError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    resolved = resolve(args.model, args.weights)
+    config = resolved.config
+    tokenizer = Tokenizer(resolved.tokenizer_path)
+    prompt_ids = tokenizer.chat_prompt(args.prompt) if args.chat else tokenizer.encode(args.prompt)
+
+    limit = config.max_position_embeddings
+    max_seq_len = args.max_seq_len or min(limit, DEFAULT_MAX_SEQ_LEN)
+    if not 1 < max_seq_len <= limit:
+        raise ContextLengthError(f"--max-seq-len must be in [2, {limit}] for this model, got {max_seq_len}")
+    if len(prompt_ids) >= max_seq_len:
+        raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_seq_len}; "
+                                 f"shorten it or raise --max-seq-len (this model allows up to {limit})")
+    check_memory(config, dtype, device, max_seq_len)
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    params_count = config.param_count()
+    size = f"{params_count / 1e9:.2f}B" if params_count >= 1e9 else f"{params_count / 1e6:.1f}M"
+    note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {device}, "
+         f"{'random' if resolved.is_random else 'checkpoint'} weights, sparse={args.sparse}")
+    if resolved.is_random:
+        what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
+        note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "
+             f"(it exercises the whole pipeline); {REAL_MODEL_HINT}.")
+    model = load_model(resolved, dtype, device, seed=args.seed)
+    if formats.format_class(args.sparse) is not formats.DenseWeight:
+        formats.convert(model, args.sparse)
+    generator = Generator(model, tokenizer, max_seq_len, device)
+
+    if args.json:
+        result = generator.generate(prompt_ids, params, args.max_new_tokens)
+        print(json.dumps({"model": resolved.name, "random_weights": resolved.is_random, "device": str(device),
+                          "dtype": dtype_name, "sparse": args.sparse, "prompt_ids": prompt_ids,
+                          "generated_ids": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
+        return 0
+
+    decoder = IncrementalDecoder(tokenizer, context_ids=prompt_ids)
+
+    def stream(token: int) -> None:
+        sys.stdout.write(decoder.feed(token))
+        sys.stdout.flush()
+
+    if not args.chat:
+        sys.stdout.write(args.prompt)  # the continuation reads on from the prompt
+    result = generator.generate(prompt_ids, params, args.max_new_tokens, on_token=stream)
+    print(decoder.flush(), flush=True)
+    print_stats(result.stats, device, resolved.is_random)
+    return 0
+
+
+def print_stats(stats, device: torch.device, is_random: bool) -> None:
+    peak = f"{stats.peak_mem_gb:.2f} GB" if device.type == "cuda" else "n/a (CPU)"
+    note(f"\n[{stats.prompt_tokens} prompt + {stats.new_tokens} new tokens, stopped by {stats.stop_reason}]")
+    note(f"prefill {stats.prefill_ms:.1f} ms | time to first token {stats.ttft_ms:.1f} ms | "
+         f"decode {stats.decode_tok_s:.1f} tok/s | weights read {stats.weight_gb_s:.1f} GB/s | peak GPU memory {peak}")
+    if is_random:
+        note("(random-weight output: the text above means nothing)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except MinferError as e:
+        note(f"error: {e}")
+        return 2
+    except torch.OutOfMemoryError:
+        note("error: out of memory while loading or running the model; try a 16-bit --dtype, "
+             "a smaller --max-seq-len or a smaller model")
+        return 2
+    except KeyboardInterrupt:
+        note("\ninterrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

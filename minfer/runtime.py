@@ -1,0 +1,95 @@
+"""Where and how a model runs: device and dtype choice, and the memory check made before anything
+is allocated (weights + KV cache + prefill logits against free GPU memory, or available RAM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .errors import DeviceError, MinferError
+from .kv_cache import kv_cache_bytes
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+RESERVE_BYTES = 512 * 2**20  # CUDA context, library workspaces, allocator slack
+
+
+def pick_device(name: str | None) -> torch.device:
+    """`name` or, when None, the GPU if there is one, else the CPU."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise MinferError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {name} needs a CUDA GPU, but none is available; use --device cpu")
+        index = 0 if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {name}: there are only {torch.cuda.device_count()} CUDA device(s)")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise MinferError(f"--device {name!r} is not supported; use cpu, cuda or cuda:N")
+    return device
+
+
+def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """`name` or, when None, float16 on a GPU and float32 on the CPU."""
+    if name is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise MinferError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    kv_cache: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + RESERVE_BYTES
+
+
+def estimate_memory(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, batch_size: int = 1) -> MemoryEstimate:
+    """Bytes a dense model needs to generate with a `max_seq_len` cache. The largest activation is
+    a full-context prefill: its hidden states, MLP intermediates and fp32 logits."""
+    per_token = (4 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize + config.vocab_size * 4
+    return MemoryEstimate(
+        weights=config.weight_bytes(dtype),
+        kv_cache=kv_cache_bytes(config.num_layers, batch_size, config.num_kv_heads, max_seq_len, config.head_dim, dtype),
+        activations=batch_size * max_seq_len * per_token,
+    )
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free GPU memory, or the RAM the kernel reports available (None where it cannot tell)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_seq_len: int) -> MemoryEstimate:
+    """Raise DeviceError, before allocating anything, if the model cannot fit on `device`."""
+    need = estimate_memory(config, dtype, max_seq_len)
+    free = available_bytes(device)
+    if free is not None and need.total > free:
+        where = "GPU memory is free" if device.type == "cuda" else "RAM is available"
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise DeviceError(
+            f"this model needs about {need.total / 1e9:.1f} GB ({need.weights / 1e9:.1f} GB of {dtype_name} weights, "
+            f"{need.kv_cache / 1e9:.1f} GB of KV cache for {max_seq_len} positions) but only {free / 1e9:.1f} GB of "
+            f"{where} on {device}; try a smaller model, a 16-bit --dtype or a smaller --max-seq-len"
+        )
+    return need

@@ -1,0 +1,156 @@
+"""apps/generate.py end to end, through a subprocess: the offline demo, --json, local checkpoints,
+and every bad input answered with one `error:` line on stderr and exit code 2. Offline throughout."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minfer.checkpoint import random_init, save_hf
+from minfer.config import KNOWN_CONFIGS, ModelConfig
+from minfer.model import Transformer
+from minfer.runtime import available_bytes, estimate_memory
+from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
+from tests.conftest import requires_cuda
+
+APP = Path(__file__).resolve().parent.parent / "apps" / "generate.py"
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"} | (env or {})
+    return subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, env=environment,
+                          timeout=300)
+
+
+def assert_input_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.fixture(scope="module")
+def local_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    config = ModelConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                         intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    save_hf(random_init(Transformer(config), seed=1, dtype=torch.float32, device="cpu"), folder, shard_size=100_000)
+    shutil.copyfile(bundled_tokenizer_path(), folder / "tokenizer.model")
+    return folder
+
+
+def test_no_flags_runs_the_demo_and_says_it_is_random():
+    result = cli("--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The harbour town wakes before the sun does.")
+    assert "RANDOM weights" in result.stderr and "--model tinyllama-1.1b" in result.stderr
+    for stat in ("prefill", "time to first token", "tok/s", "GB/s", "peak GPU memory"):
+        assert stat in result.stderr
+
+
+def test_json_output(local_checkpoint):
+    prompt = "Mara counts the seconds"
+    result = cli("--model", str(local_checkpoint), "--device", "cpu", "--prompt", prompt, "--max-new-tokens", "9",
+                 "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9", "--seed", "7", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    tokenizer = Tokenizer(bundled_tokenizer_path())
+    assert out["prompt_ids"] == tokenizer.encode(prompt)
+    assert 0 < len(out["generated_ids"]) <= 9 and out["text"] == tokenizer.decode(out["generated_ids"])
+    assert out["random_weights"] is False and out["dtype"] == "float32"
+    assert {"prefill_ms", "ttft_ms", "decode_tok_s", "weight_gb_s", "peak_mem_gb"} <= set(out["stats"])
+    again = json.loads(cli("--model", str(local_checkpoint), "--device", "cpu", "--prompt", prompt,
+                           "--max-new-tokens", "9", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9",
+                           "--seed", "7", "--json").stdout)
+    assert again["generated_ids"] == out["generated_ids"]
+
+
+def test_chat_and_random_weights_for_a_local_architecture(local_checkpoint):
+    result = cli("--model", str(local_checkpoint), "--weights", "random", "--device", "cpu", "--chat",
+                 "--prompt", "Hello", "--max-new-tokens", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["random_weights"] is True
+    assert out["prompt_ids"] == Tokenizer(bundled_tokenizer_path()).chat_prompt("Hello")
+    assert "RANDOM weights" in result.stderr
+
+
+def test_help():
+    result = cli("--help")
+    assert result.returncode == 0
+    for flag in ("--model", "--weights", "--prompt", "--chat", "--max-new-tokens", "--temperature", "--top-k",
+                 "--top-p", "--seed", "--device", "--dtype", "--sparse", "--max-seq-len", "--json", "HF_TOKEN"):
+        assert flag in result.stdout
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--model", "llama9"], ["unknown model 'llama9'", "tinyllama-1.1b"]),
+    (["--model", "./no/such/checkpoint"], ["is not a directory"]),
+    (["--model", "nobody-xyz/no-such-model"], ["cannot download nobody-xyz/no-such-model", "--weights random"]),
+    (["--prompt", "word " * 40, "--max-seq-len", "16"], ["the prompt has", "--max-seq-len"]),
+])
+def test_bad_input_is_one_line_and_exit_2(args, fragments):
+    assert_input_error(cli("--device", "cpu", *args), *fragments)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--max-seq-len", "100000"], ["--max-seq-len must be in [2, 1024]"]),
+    (["--dtype", "int8"], ["--dtype", "invalid choice"]),
+    (["--sparse", "bogus"], ["--sparse", "invalid choice"]),
+    (["--device", "tpu"], ["'tpu' is not"]),
+    (["--top-p", "0"], ["top_p must be in (0, 1]"]),
+    (["--max-new-tokens", "0"], ["--max-new-tokens must be at least 1"]),
+    (["--max-new-tokens", "many"], ["invalid int value"]),
+])
+def test_bad_flag_values_in_process(capsys, args, fragments):
+    """The same contract for flag values, through main() in this process (a subprocess each is slow)."""
+    spec = importlib.util.spec_from_file_location("generate_app", APP)
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+    try:
+        code = app.main(["--device", "cpu", *args])
+    except SystemExit as exit_:  # argparse rejects the flag itself
+        code = exit_.code
+    captured = capsys.readouterr()
+    assert_input_error(subprocess.CompletedProcess(args, code, captured.out, captured.err), *fragments)
+
+
+def test_missing_files_in_a_local_checkpoint(tmp_path, local_checkpoint):
+    assert_input_error(cli("--model", str(tmp_path), "--device", "cpu"), "no config.json")
+    broken = tmp_path / "broken"
+    shutil.copytree(local_checkpoint, broken)
+    next(broken.glob("model-00002-*.safetensors")).unlink()
+    assert_input_error(cli("--model", str(broken), "--device", "cpu"), "model-00002-", "is missing")
+
+
+def test_cuda_without_a_gpu():
+    assert_input_error(cli("--device", "cuda", env=NO_GPU), "needs a CUDA GPU", "--device cpu")
+
+
+def test_more_memory_than_the_machine_has():
+    config = ModelConfig.from_hf(KNOWN_CONFIGS["llama2-70b"])
+    free = available_bytes(torch.device("cpu"))
+    if free is None or estimate_memory(config, torch.float32, 4096).total <= free:
+        pytest.skip("this machine has the RAM for a float32 Llama-2-70B")
+    result = cli("--model", "llama2-70b", "--weights", "random", "--device", "cpu", "--dtype", "float32", env=NO_GPU)
+    assert_input_error(result, "needs about", "GB of RAM", "float32")
+
+
+@requires_cuda
+def test_more_memory_than_the_gpu_has():
+    config = ModelConfig.from_hf(KNOWN_CONFIGS["llama2-70b"])
+    free = available_bytes(torch.device("cuda"))
+    if estimate_memory(config, torch.float32, 4096).total <= free:
+        pytest.skip("this GPU has the memory for a float32 Llama-2-70B")
+    result = cli("--model", "llama2-70b", "--weights", "random", "--device", "cuda", "--dtype", "float32")
+    assert_input_error(result, "needs about", "GPU memory is free")
