@@ -218,6 +218,86 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return out
 
 
+MACKO_SPMM_MAX_TOKENS = 16  # kernels/macko.h: up to 16 tokens share one pass over the weights
+
+
+def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
+                               cols: int) -> torch.Tensor:
+    """The dense [rows, cols] matrix of a MACKO-16-4 triple (shared/FORMATS.md), vectorized.
+
+    Entry k of a row sits one column after entry k-1 plus its own nibble (the first at its nibble).
+    """
+    from .errors import FormatError
+
+    if row_ptr.numel() == 0:
+        raise FormatError("row_ptr must hold rows + 1 offsets, got an empty tensor")
+    rows = row_ptr.numel() - 1
+    starts = row_ptr.long()
+    stored = int(starts[-1])
+    if stored > values.numel() or 2 * deltas.numel() < stored:
+        raise FormatError(f"row_ptr ends at {stored} entries but values holds {values.numel()} "
+                          f"and deltas {2 * deltas.numel()}: the MACKO arrays are inconsistent")
+    nibbles = torch.stack((deltas & 15, deltas >> 4), dim=1).reshape(-1)[:stored].long()
+    ends = torch.cat((nibbles.new_zeros(1), (nibbles + 1).cumsum(0)))  # ends[k]: columns used by entries < k
+    row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), starts.diff(), output_size=stored)
+    col_of = ends[1:] - 1 - ends[starts[:-1]][row_of]
+    if stored and int(col_of.max()) >= cols:
+        raise FormatError(f"the MACKO arrays place an entry past column {cols - 1}; they do not encode "
+                          f"a matrix with {cols} columns")
+    dense = values.new_zeros(rows, cols)
+    dense[row_of, col_of] = values[:stored]
+    return dense
+
+
+def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
+                         x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ W.T with W decompressed, in fp32: the CPU path and the oracle."""
+    weight = macko_decompress_reference(values, deltas, row_ptr, x.shape[-1])
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+@fake_impl("minfer::macko_spmv")
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps=0, warps_per_block=0, x_in_smem=-1):
+    return None
+
+
+@fake_impl("minfer::macko_decompress")
+def _macko_decompress_fake(values, deltas, row_ptr, out):
+    return None
+
+
+def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
+               out: torch.Tensor | None = None, *, steps: int = 0, warps_per_block: int = 0,
+               x_in_smem: int = -1) -> torch.Tensor:
+    """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1).
+
+    One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
+    passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
+    knobs for benchmarks; the defaults (0, 0, -1) pick the tuned configuration.
+    """
+    if out is None:
+        out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
+    if use_kernels(x):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem)
+    else:
+        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x))
+    return out
+
+
+def macko_decompress(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
+                     out: torch.Tensor | None = None, cols: int | None = None) -> torch.Tensor:
+    """The dense [N, K] matrix of a MACKO triple, written into `out` (or a new [N, cols] tensor)."""
+    if out is None:
+        if cols is None:
+            raise ValueError("macko_decompress needs `out` or `cols`")
+        out = values.new_empty(row_ptr.numel() - 1, cols)
+    if use_kernels(values):
+        torch.ops.minfer.macko_decompress(values, deltas, row_ptr, out)
+    else:
+        out.copy_(macko_decompress_reference(values, deltas, row_ptr, out.shape[1]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m minfer.ops", description="Build minfer's CUDA kernels (JIT, ninja, cached)."

@@ -7,8 +7,9 @@ from torch import nn
 from ..errors import FormatError
 from .base import WeightFormat
 from .dense import DenseWeight
+from .macko import MackoWeight
 
-FORMATS: dict[str, type[WeightFormat]] = {DenseWeight.name: DenseWeight}
+FORMATS: dict[str, type[WeightFormat]] = {DenseWeight.name: DenseWeight, MackoWeight.name: MackoWeight}
 ALIASES = {"none": DenseWeight.name}
 
 
@@ -32,4 +33,4 @@ def convert(model: nn.Module, spec: str, **options) -> nn.Module:
     return model
 
 
-__all__ = ["FORMATS", "WeightFormat", "DenseWeight", "convert", "format_class"]
+__all__ = ["FORMATS", "WeightFormat", "DenseWeight", "MackoWeight", "convert", "format_class"]

@@ -1,0 +1,173 @@
+"""MACKO-16-4 unstructured sparse weights (shared/FORMATS.md).
+
+`compress` turns a dense matrix into the reference library's three arrays (macko_spmv v0.2.0),
+array for array, vectorized in torch on the matrix's device. `MackoWeight` keeps them as buffers
+and multiplies with the SpMV/SpMM kernel for up to 16 tokens (decode, batched decode, speculative
+verification). Longer inputs (prefill) decompress the matrix into one scratch buffer shared by
+every MACKO layer and run a dense matmul, so no dense copy of the model is ever kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..errors import FormatError
+from .base import WeightFormat
+
+MAX_SKIP = 15  # a 4-bit nibble: after 15 skipped zeros an explicit zero is stored
+ALIGN = 8  # values are padded to a multiple of 8 entries (one 16-byte load)
+BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
+DTYPES = (torch.float16, torch.bfloat16)
+
+MackoArrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # values, deltas, row_ptr
+
+
+def _pack(values: torch.Tensor, nibbles: torch.Tensor, counts: torch.Tensor) -> MackoArrays:
+    """Stored entries (row-major) and their nibbles -> padded values, packed deltas, row_ptr."""
+    stored = values.numel()
+    if stored >= 2**31:
+        raise FormatError(f"a MACKO matrix holds at most 2^31 - 1 entries, this one needs {stored}; split it")
+    pad = -stored % ALIGN
+    values = torch.cat((values, values.new_zeros(pad)))
+    nibbles = torch.cat((nibbles.to(torch.uint8), nibbles.new_zeros(pad, dtype=torch.uint8)))
+    deltas = nibbles[0::2] | (nibbles[1::2] << 4)  # entry i in byte i // 2, low nibble first
+    row_ptr = torch.cat((counts.new_zeros(1), counts.cumsum(0))).to(torch.int32)
+    return values, deltas, row_ptr
+
+
+def compress(weight: torch.Tensor) -> MackoArrays:
+    """MACKO arrays of a dense [R, C] fp16/bf16 matrix, identical to the reference compressor.
+
+    Per row, walking left to right: a nonzero is stored, and so is a zero that follows 15 skipped
+    zeros; stored zeros after the row's last nonzero are dropped. A stored entry's nibble counts
+    the columns skipped since the previous stored entry. -0.0 counts as zero; NaN as nonzero.
+    """
+    if weight.dim() != 2:
+        raise FormatError(f"MACKO compresses 2-D [out, in] matrices, got shape {tuple(weight.shape)}")
+    if weight.dtype not in DTYPES:
+        raise FormatError(f"MACKO stores float16 or bfloat16 values, got {weight.dtype}; cast the weight first")
+    rows, cols = weight.shape
+    column = torch.arange(cols, device=weight.device, dtype=torch.int32)
+    values, nibbles, counts = [], [], []
+    block_rows = max(1, BLOCK_ELEMENTS // max(cols, 1))
+    for first in range(0, rows, block_rows):  # blocks of rows, each one vectorized
+        w = weight[first:first + block_rows]
+        nonzero = w != 0
+        # last nonzero column at or before each column (-1 before the first one)
+        last_nonzero = torch.where(nonzero, column, -1).cummax(dim=1).values
+        forced = ~nonzero & (((column - last_nonzero) & MAX_SKIP) == 0)  # 16, 32, ... columns after it
+        stored = nonzero | (forced & (column < last_nonzero[:, -1:]))
+        row_counts = stored.sum(dim=1)
+        flat = stored.view(-1).nonzero().squeeze(1)  # row-major order
+        stored_col = flat % cols
+        previous = torch.roll(stored_col, 1)
+        row_starts = (row_counts.cumsum(0) - row_counts)[row_counts > 0]
+        previous[row_starts] = -1
+        values.append(w.reshape(-1)[flat])
+        nibbles.append(stored_col - previous - 1)
+        counts.append(row_counts)
+    if not values:  # a matrix with no rows
+        return _pack(weight.new_zeros(0), column.new_zeros(0), column.new_zeros(0, dtype=torch.long))
+    return _pack(torch.cat(values), torch.cat(nibbles), torch.cat(counts))
+
+
+def unpack_nibbles(deltas: torch.Tensor, stored: int) -> torch.Tensor:
+    """The first `stored` nibbles of a packed deltas array, one per uint8."""
+    return torch.stack((deltas & 15, deltas >> 4), dim=1).reshape(-1)[:stored]
+
+
+def concat_rows(parts: list[MackoArrays]) -> MackoArrays:
+    """The MACKO arrays of the matrices stacked row-wise (equal to compressing the stacked matrix)."""
+    values, nibbles, counts = [], [], []
+    for part_values, part_deltas, part_row_ptr in parts:
+        stored = int(part_row_ptr[-1])
+        values.append(part_values[:stored])
+        nibbles.append(unpack_nibbles(part_deltas, stored))
+        counts.append(part_row_ptr.diff().long())
+    return _pack(torch.cat(values), torch.cat(nibbles), torch.cat(counts))
+
+
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [rows, cols] view of the one decompression buffer per device and dtype (grown on demand).
+
+    Every MACKO layer decompresses into it before its prefill matmul; stream order keeps each use
+    after the previous layer's matmul.
+    """
+    buffer = _scratch.get((device, dtype))
+    if buffer is None or buffer.numel() < rows * cols:
+        buffer = torch.empty(rows * cols, dtype=dtype, device=device)
+        _scratch[(device, dtype)] = buffer
+    return buffer[: rows * cols].view(rows, cols)
+
+
+class MackoWeight(WeightFormat):
+    """An [N, K] matrix as MACKO-16-4 buffers `values`, `deltas`, `row_ptr`."""
+
+    name = "macko"
+
+    def __init__(self, values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, shape: tuple[int, int]):
+        rows, cols = shape
+        if values.dim() != 1 or values.dtype not in DTYPES or values.numel() % ALIGN:
+            raise FormatError(f"MACKO values must be a 1-D float16/bfloat16 tensor of a multiple of {ALIGN} "
+                              f"entries, got {values.dtype} {tuple(values.shape)}")
+        if deltas.dtype != torch.uint8 or deltas.shape != (values.numel() // 2,):
+            raise FormatError(f"MACKO deltas must be uint8 with {values.numel() // 2} bytes (one nibble per "
+                              f"value), got {deltas.dtype} {tuple(deltas.shape)}")
+        if row_ptr.dtype != torch.int32 or row_ptr.shape != (rows + 1,):
+            raise FormatError(f"MACKO row_ptr must be int32 with {rows + 1} offsets for {rows} rows, "
+                              f"got {row_ptr.dtype} {tuple(row_ptr.shape)}")
+        if not values.device == deltas.device == row_ptr.device:
+            raise FormatError("MACKO values, deltas and row_ptr must be on one device")
+        super().__init__(rows, cols)
+        self.register_buffer("values", values)
+        self.register_buffer("deltas", deltas)
+        self.register_buffer("row_ptr", row_ptr)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, density: float | None = None) -> MackoWeight:
+        """Compress `weight`; with `density`, first keep only the largest |w| of each row."""
+        if density is not None:
+            from ..sparsity.prune import prune_magnitude_
+
+            weight = prune_magnitude_(weight.clone(), density)
+        return cls(*compress(weight), shape=tuple(weight.shape))
+
+    @classmethod
+    def empty(cls, shape: tuple[int, int], padded_entries: int, dtype: torch.dtype,
+              device: torch.device | str) -> MackoWeight:
+        """Uninitialized buffers (e.g. on the meta device) for a loader to fill."""
+        return cls(torch.empty(padded_entries, dtype=dtype, device=device),
+                   torch.empty(padded_entries // 2, dtype=torch.uint8, device=device),
+                   torch.empty(shape[0] + 1, dtype=torch.int32, device=device), shape)
+
+    def to_dense(self) -> torch.Tensor:
+        return ops.macko_decompress(self.values, self.deltas, self.row_ptr, cols=self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()
+        if flat.shape[0] > ops.MACKO_SPMM_MAX_TOKENS and ops.use_kernels(flat):
+            weight = scratch_matrix(self.out_features, self.in_features, self.values.dtype, flat.device)
+            out = F.linear(flat, ops.macko_decompress(self.values, self.deltas, self.row_ptr, out=weight))
+        else:
+            out = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    # --- what the reports show -------------------------------------------------------------
+
+    @property
+    def dense_nbytes(self) -> int:
+        return self.out_features * self.in_features * self.values.element_size()
+
+    def nonzeros(self) -> int:
+        stored = int(self.row_ptr[-1])
+        return int(torch.count_nonzero(self.values[:stored]))
+
+    def rows_larger_than_dense(self) -> int:
+        """Rows whose entries (2.5 bytes each) plus their row_ptr slot outweigh the dense row."""
+        entry_bytes_x2 = 5 * self.row_ptr.diff().long() + 8
+        return int((entry_bytes_x2 > 2 * self.in_features * self.values.element_size()).sum())

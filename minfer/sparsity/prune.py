@@ -1,0 +1,138 @@
+"""Unstructured pruning of the projection matrices to a target density, one output row at a time.
+
+- `magnitude`: keep the largest |W_ij| of each row.
+- `wanda` (Sun et al., 2023): keep the largest |W_ij| * ||X_j||_2 of each row, where ||X_j|| is
+  the norm of input feature j over calibration tokens. Blocks are pruned in order and the
+  calibration activations of block i come from blocks 0..i-1 already pruned; inside a block
+  every projection sees the unpruned block's activations, as in the paper.
+
+Only the 7 projections of each block are pruned (in minfer they are 4 matrices: q/k/v and
+gate/up are fused, and pruning a fused matrix per output row is exactly per-row pruning of each
+original). Embeddings and lm_head stay dense.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..errors import MinferError
+
+METHODS = ("magnitude", "wanda")
+
+
+def keep_per_row(cols: int, density: float) -> int:
+    if not 0.0 < density <= 1.0:
+        raise MinferError(f"density must be in (0, 1], got {density}; e.g. --density 0.5 keeps half the weights")
+    return round(density * cols)
+
+
+def prune_by_score_(weight: torch.Tensor, score: torch.Tensor, density: float) -> torch.Tensor:
+    """Zero, in place, the entries of each row of `weight` with the lowest scores, keeping
+    round(density * cols) per row. Returns `weight`."""
+    cols = weight.shape[1]
+    drop = cols - keep_per_row(cols, density)
+    if drop > 0:
+        weight.scatter_(1, score.topk(drop, dim=1, largest=False).indices, 0)
+    return weight
+
+
+def prune_magnitude_(weight: torch.Tensor, density: float) -> torch.Tensor:
+    return prune_by_score_(weight, weight.abs(), density)
+
+
+def wanda_score(weight: torch.Tensor, input_norm: torch.Tensor) -> torch.Tensor:
+    """|W_ij| * ||X_j||_2, in fp32."""
+    return weight.abs().float() * input_norm.float()[None, :]
+
+
+def _dense_weight(linear: nn.Module, name: str) -> torch.Tensor:
+    from ..formats import DenseWeight
+
+    if not isinstance(linear.fmt, DenseWeight):
+        raise MinferError(f"{name} is already stored as {linear.fmt.name}; prune before converting the format")
+    return linear.fmt.weight
+
+
+@torch.no_grad()
+def prune_model_(model: nn.Module, density: float, method: str = "magnitude",
+                 calibration: torch.Tensor | None = None, batch_size: int = 1, progress: bool = True) -> nn.Module:
+    """Prune every projection of `model` in place to `density` per row.
+
+    `calibration` ([samples, seq_len] token ids, wanda only) is run through the model `batch_size`
+    samples at a time; wanda sets up the model's caches for that shape.
+    """
+    if method not in METHODS:
+        raise MinferError(f"unknown pruning method {method!r}; choose one of: {', '.join(METHODS)}")
+    keep_per_row(1, density)  # validate before any work
+    if method == "magnitude":
+        for name, linear in tqdm(list(model.projections()), desc="magnitude pruning", disable=not progress):
+            prune_magnitude_(_dense_weight(linear, name), density)
+        return model
+    if calibration is None or calibration.dim() != 2:
+        raise MinferError("wanda needs calibration token ids of shape [samples, seq_len]")
+    _prune_wanda(model, density, calibration, batch_size, progress)
+    return model
+
+
+def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_size: int, progress: bool) -> None:
+    from ..model import Linear
+
+    device = model.embed_tokens.weight.device
+    seq_len = tokens.shape[1]
+    model.setup_caches(batch_size, seq_len)
+    input_pos = torch.arange(seq_len, device=device)
+    rope = (model.rope_cos, model.rope_sin)
+    batches = tokens.to(device).split(batch_size)
+    residuals = [model.embed_tokens(batch) for batch in batches]
+    normed = [model.layers[0].input_layernorm(r) for r in residuals]
+
+    layers = list(model.layers)
+    for i, layer in enumerate(tqdm(layers, desc="wanda pruning", unit="block", disable=not progress)):
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
+        squares = {name: torch.zeros(m.fmt.in_features, dtype=torch.float32, device=device)
+                   for name, m in linears.items()}
+
+        def accumulate(name):
+            def hook(_, args):
+                x = args[0].float()
+                squares[name].add_(x.square().reshape(-1, x.shape[-1]).sum(dim=0))
+            return hook
+
+        hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
+        try:
+            for r, x in zip(residuals, normed):  # statistics of the unpruned block
+                layer(r.clone(), x, input_pos, seq_len, None, rope, next_norm)
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, m in linears.items():
+            weight = _dense_weight(m, f"layers.{i}.{name}")
+            prune_by_score_(weight, wanda_score(weight, squares[name].sqrt()), density)
+        # the next block's inputs come from this block, pruned (residuals are updated in place)
+        normed = [layer(r, x, input_pos, seq_len, None, rope, next_norm) for r, x in zip(residuals, normed)]
+
+
+def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | Path | None = None) -> torch.Tensor:
+    """[samples, seq_len] token ids: consecutive windows of the text in `text_file`, or of the
+    small corpus shipped in data/corpus when none is given (no dataset downloads)."""
+    if text_file is not None:
+        path = Path(text_file)
+        if not path.is_file():
+            raise MinferError(f"calibration text {path} does not exist; pass a UTF-8 text file")
+        text = path.read_text(encoding="utf-8")
+    else:
+        from ..demo import corpus_lines
+
+        text = "\n".join(corpus_lines())
+    ids = tokenizer.encode(text, bos=False)
+    if len(ids) < samples * seq_len:
+        available = len(ids) // seq_len
+        raise MinferError(f"the calibration text has {len(ids)} tokens: {available} samples of {seq_len}, "
+                          f"fewer than the {samples} asked for; lower --calib-samples or --calib-seq-len, "
+                          "or pass a longer --calib-text")
+    return torch.tensor(ids[: samples * seq_len], dtype=torch.long).view(samples, seq_len)

@@ -1,0 +1,192 @@
+"""MACKO-16-4 format: the reference compressor's arrays byte for byte, exact round trips, edge cases."""
+
+import pytest
+import torch
+
+from minfer import ops
+from minfer.errors import FormatError
+from minfer.formats.macko import MackoWeight, compress, concat_rows
+
+
+def walk_compress(matrix: torch.Tensor):
+    """The compression rules of shared/FORMATS.md, one column at a time (the slow oracle)."""
+    values, nibbles, row_ptr = [], [], [0]
+    for row in matrix:
+        skipped, kept = 0, len(values)
+        for value in row:
+            if value != 0 or skipped == 15:
+                values.append(value)
+                nibbles.append(skipped)
+                skipped = 0
+                if value != 0:
+                    kept = len(values)
+            else:
+                skipped += 1
+        del values[kept:], nibbles[kept:]  # explicit zeros after the last nonzero
+        row_ptr.append(len(values))
+    pad = -len(values) % 8
+    values = torch.stack(values + [matrix.new_zeros(())] * pad) if values or pad else matrix.new_zeros(0)
+    nibbles += [0] * pad
+    deltas = torch.tensor([lo | hi << 4 for lo, hi in zip(nibbles[0::2], nibbles[1::2])], dtype=torch.uint8)
+    return values, deltas, torch.tensor(row_ptr, dtype=torch.int32)
+
+
+def assert_same_arrays(got, expected):
+    for name, g, e in zip(("values", "deltas", "row_ptr"), got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"{name}: {g.dtype} {tuple(g.shape)} vs {e.dtype} {tuple(e.shape)}"
+        if g.is_floating_point():  # bit patterns, so -0.0 and padding +0.0 count too
+            g, e = g.view(torch.int16), e.view(torch.int16)
+        assert torch.equal(g, e), f"{name} differs:\n{g}\n{e}"
+
+
+def sparse_rows(cols: int, rows: list[dict[int, float]]) -> torch.Tensor:
+    matrix = torch.zeros(len(rows), cols, dtype=torch.float16)
+    for r, entries in enumerate(rows):
+        for c, v in entries.items():
+            matrix[r, c] = v
+    return matrix
+
+
+# The reference library's 5x32 test matrix (macko_spmv tests), as {column: value} per row.
+WORKED_EXAMPLE = sparse_rows(32, [
+    {0: 0.5498, 1: 0.7124, 8: 0.7998, 12: 0.1611, 29: 0.4663},
+    {0: 0.2241, 1: 0.6528, 14: 0.4761, 19: 0.4673},
+    {21: 0.0166},
+    {5: 0.1958},
+    {4: 0.5195, 5: 0.5762, 7: 0.8965, 13: 0.5625, 23: 0.2041, 26: 0.8770, 28: 0.1123, 29: 0.4966, 31: 0.5132},
+])
+
+
+def test_worked_example_byte_for_byte():
+    values, deltas, row_ptr = compress(WORKED_EXAMPLE)
+    expected_values = torch.tensor([
+        0.5498, 0.7124, 0.7998, 0.1611, 0.0, 0.4663,   # row 0: the zero at column 28 ends a 15-zero gap
+        0.2241, 0.6528, 0.4761, 0.4673,
+        0.0, 0.0166,                                    # row 2: explicit zero at column 15
+        0.1958,                                         # row 3: its trailing explicit zero is dropped
+        0.5195, 0.5762, 0.8965, 0.5625, 0.2041, 0.8770, 0.1123, 0.4966, 0.5132,
+        0.0, 0.0,                                       # padding to a multiple of 8
+    ], dtype=torch.float16)
+    assert_same_arrays((values, deltas, row_ptr), (
+        expected_values,
+        torch.tensor([0, 54, 15, 0, 76, 95, 69, 16, 149, 18, 16, 0], dtype=torch.uint8),
+        torch.tensor([0, 6, 10, 12, 13, 22], dtype=torch.int32),
+    ))
+    # FORMATS.md: row 0's nibbles are 0, 0, 6, 3, 15, 0 and pack into the bytes 0, 54, 15
+    row0 = [0, 0, 6, 3, 15, 0]
+    assert deltas[:3].tolist() == [lo | hi << 4 for lo, hi in zip(row0[0::2], row0[1::2])] == [0, 54, 15]
+    assert torch.equal(ops.macko_decompress_reference(values, deltas, row_ptr, 32), WORKED_EXAMPLE)
+
+
+def test_empty_rows_and_last_column_example():
+    matrix = torch.tensor([[0] * 32, [0] * 31 + [1], [0, 2] + [0] * 30], dtype=torch.float16)
+    assert_same_arrays(compress(matrix), (
+        torch.tensor([0, 1, 2, 0, 0, 0, 0, 0], dtype=torch.float16),
+        torch.tensor([255, 1, 0, 0], dtype=torch.uint8),
+        torch.tensor([0, 0, 2, 3], dtype=torch.int32),
+    ))
+
+
+@pytest.mark.parametrize("gap", [14, 15, 16, 17, 31, 32, 33])
+def test_zero_gaps_around_the_nibble_limit(gap):
+    matrix = sparse_rows(gap + 2, [{0: 1.0, gap + 1: 2.0}, {gap: 3.0}, {gap + 1: 4.0}])
+    got = compress(matrix)
+    assert_same_arrays(got, walk_compress(matrix))
+    assert torch.equal(ops.macko_decompress_reference(*got, gap + 2), matrix)
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 7), (5, 9), (8, 16), (13, 100), (2, 257)])
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.3, 0.7, 1.0])
+def test_matches_walk_and_round_trips(rows, cols, density):
+    generator = torch.Generator().manual_seed(rows * 1000 + cols + int(density * 100))
+    matrix = torch.randn(rows, cols, generator=generator).half()
+    matrix[torch.rand(rows, cols, generator=generator) >= density] = 0
+    arrays = compress(matrix)
+    assert_same_arrays(arrays, walk_compress(matrix))
+    assert torch.equal(ops.macko_decompress_reference(*arrays, cols), matrix)
+
+
+def test_fully_dense_and_all_zero():
+    dense = torch.randn(6, 13).half().clamp_min(0.01)
+    values, deltas, row_ptr = compress(dense)
+    assert row_ptr.tolist() == list(range(0, 79, 13)) and values.numel() == 80
+    assert torch.equal(deltas, torch.zeros(40, dtype=torch.uint8))
+    values, deltas, row_ptr = compress(torch.zeros(4, 50, dtype=torch.float16))
+    assert values.numel() == 0 and deltas.numel() == 0 and row_ptr.tolist() == [0] * 5
+
+
+def test_negative_zero_counts_as_zero_but_keeps_its_bits():
+    matrix = torch.zeros(1, 20, dtype=torch.float16)
+    matrix[0, 15] = -0.0  # stored (15 zeros before it), with its sign
+    matrix[0, 19] = 1.0
+    values, _, row_ptr = compress(matrix)
+    assert row_ptr.tolist() == [0, 2]
+    assert values[0].view(torch.int16) == torch.tensor(-0.0, dtype=torch.float16).view(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_random_round_trip_exact(dtype):
+    generator = torch.Generator().manual_seed(7)
+    for density in (0.01, 0.1, 0.5, 0.9):
+        matrix = torch.randn(37, 301, generator=generator).to(dtype)
+        matrix[torch.rand(37, 301, generator=generator) >= density] = 0
+        weight = MackoWeight.from_dense(matrix)
+        assert weight.values.dtype == dtype
+        assert torch.equal(weight.to_dense(), matrix)
+
+
+def test_concat_rows_equals_compressing_the_stack():
+    generator = torch.Generator().manual_seed(3)
+    parts = [torch.randn(r, 45, generator=generator).half() for r in (3, 5, 1)]
+    for p in parts:
+        p[torch.rand(p.shape, generator=generator) > 0.2] = 0
+    assert_same_arrays(concat_rows([compress(p) for p in parts]), compress(torch.cat(parts)))
+
+
+def test_weight_buffers_nbytes_and_size_report():
+    matrix = torch.randn(9, 40).half()
+    matrix[torch.rand(9, 40) > 0.5] = 0
+    matrix[4] = torch.randn(40).half()  # a dense row: 2.5 bytes per entry beat 2 bytes per column
+    weight = MackoWeight.from_dense(matrix)
+    stored = int(weight.row_ptr[-1])
+    assert weight.shape == (9, 40)
+    assert {name for name, _ in weight.named_buffers()} == {"values", "deltas", "row_ptr"}
+    assert weight.nbytes == 2 * weight.values.numel() + weight.values.numel() // 2 + 4 * 10
+    assert weight.values.numel() == stored + (-stored % 8)
+    assert weight.nonzeros() == int(torch.count_nonzero(matrix))
+    assert weight.rows_larger_than_dense() >= 1
+
+
+def test_from_dense_with_density_prunes_each_row():
+    matrix = torch.randn(10, 64).half()
+    weight = MackoWeight.from_dense(matrix, density=0.25)
+    dense = weight.to_dense()
+    assert (dense != 0).sum(dim=1).tolist() == [16] * 10
+    kept = dense != 0
+    assert torch.equal(dense[kept], matrix[kept])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 40])
+def test_forward_on_cpu_matches_float64(tokens):
+    matrix = torch.randn(24, 72)
+    matrix[torch.rand(24, 72) > 0.4] = 0
+    weight = MackoWeight.from_dense(matrix.half())
+    x = torch.randn(2, tokens, 72).half()
+    out = weight(x)
+    ref = x.double() @ matrix.half().double().T
+    assert out.shape == (2, tokens, 24) and out.dtype == torch.float16
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_bad_inputs_raise_format_errors():
+    with pytest.raises(FormatError, match="float16 or bfloat16"):
+        compress(torch.zeros(2, 2))
+    with pytest.raises(FormatError, match="2-D"):
+        compress(torch.zeros(4, dtype=torch.float16))
+    values, deltas, row_ptr = compress(torch.eye(8, dtype=torch.float16))
+    with pytest.raises(FormatError, match="row_ptr"):
+        MackoWeight(values, deltas, row_ptr, shape=(7, 8))
+    with pytest.raises(FormatError, match="deltas"):
+        MackoWeight(values, deltas[:-1], row_ptr, shape=(8, 8))
+    with pytest.raises(FormatError, match="past column"):
+        ops.macko_decompress_reference(values, deltas, row_ptr, 4)
