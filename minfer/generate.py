@@ -88,6 +88,8 @@ class Generator:
         self.device = torch.device(device)
         self.max_seq_len = max_seq_len
         model.setup_caches(1, max_seq_len, device=self.device)
+        # Captured graphs hold raw pointers: keep these caches alive even if the model gets new ones.
+        self._caches = [layer.self_attn.kv_cache for layer in model.layers]
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
         eos = tokenizer.eos_id if tokenizer is not None else model.config.eos_token_id
         self.eos_id: int | None = eos  # None: never stop early

@@ -44,10 +44,10 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(residual, weight, eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF half-split RoPE in fp32: x * [cos, cos] + [-x2, x1] * [sin, sin] (x = [x1, x2])."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF half-split RoPE: out = x * cos + [x2, x1] * [-sin, sin] for x = [x1, x2], computed in fp32."""
+    halves = x.unflatten(-1, (2, -1))  # [..., 2, D/2]
+    return torch.addcmul(halves * cos, halves.flip(-2), signed_sin, out=out.unflatten(-1, (2, -1)))
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -56,18 +56,19 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
     cos/sin are the fp32 tables [S, D/2] indexed by position.
     """
-    cos = cos.index_select(0, input_pos)[:, None, :]
-    sin = sin.index_select(0, input_pos)[:, None, :]
-    q.copy_(_rotate(q, cos, sin))
-    k_cache.index_copy_(2, input_pos, _rotate(k, cos, sin).to(k_cache.dtype).transpose(1, 2))
+    sin = sin.index_select(0, input_pos)[:, None, None, :]  # [T, 1, 1, D/2]
+    cos = cos.index_select(0, input_pos)[:, None, None, :]
+    signed_sin = torch.cat((-sin, sin), dim=-2)  # [T, 1, 2, D/2]
+    _rotate_into(q, q, cos, signed_sin)
+    k_rotated = _rotate_into(torch.empty_like(k), k, cos, signed_sin).flatten(-2)
+    k_cache.index_copy_(2, input_pos, k_rotated.transpose(1, 2))
     v_cache.index_copy_(2, input_pos, v.transpose(1, 2))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
               kv_len: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B,T,Hq,D] attends to cache positions [0, kv_len) where mask [T, kv_len] is True.
-
-    mask None means plain causal attention over a prompt that fills positions 0..T-1 (T == kv_len).
+    """q [B,T,Hq,D] attends to cache positions [0, kv_len), with the additive mask [T, kv_len]
+    (0 where visible, -inf elsewhere, in q's dtype). mask None means plain causal attention over a prompt that fills positions 0..T-1 (T == kv_len).
     Query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv does. Returns [B,T,Hq,D].
     """
     k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
@@ -284,7 +285,10 @@ class Transformer(nn.Module):
         if self.rope_cos is None:
             raise MinferError("call setup_caches(max_batch_size, max_seq_len) before running the model")
         kv_len = self.max_seq_len if kv_len is None else kv_len
-        mask = None if tokens.shape[1] == kv_len else self.positions[:kv_len] <= input_pos[:, None]
+        mask = None
+        if tokens.shape[1] != kv_len:  # built once here rather than converted from bool in every layer
+            visible = self.positions[:kv_len] <= input_pos[:, None]
+            mask = torch.where(visible, 0.0, float("-inf")).to(self.embed_tokens.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)
         residual = self.embed_tokens(tokens)
         x = self.layers[0].input_layernorm(residual) if len(self.layers) else self.norm(residual)

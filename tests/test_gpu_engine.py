@@ -1,0 +1,105 @@
+"""The engine on a GPU: graph-captured decode equals eager decode, fp16 logits track fp32 CPU
+logits, and decoding never synchronizes with the host."""
+
+import contextlib
+
+import pytest
+import torch
+
+from minfer.checkpoint import random_init
+from minfer.config import ModelConfig
+from minfer.generate import Generator
+from minfer.model import Transformer
+from minfer.sampling import SamplingParams
+from tests.conftest import requires_cuda
+
+# Small, but with Llama-2's head size and a vocabulary that is not a multiple of 64.
+CONFIG = {"model_type": "llama", "vocab_size": 1999, "hidden_size": 256, "intermediate_size": 688,
+          "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+          "max_position_embeddings": 1024, "eos_token_id": 2}
+PROMPT = list(range(3, 250))  # decoding crosses the first KV bucket (256 positions)
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=11)
+
+
+def cpu_model() -> Transformer:
+    model = random_init(Transformer(ModelConfig.from_hf(CONFIG)), 0, torch.float32, "cpu")
+    with torch.no_grad():  # peaked logits: fp16 rounding must not flip greedy choices
+        for tensor in model.checkpoint_tensors().values():
+            if tensor.dim() == 2:
+                tensor.mul_(4.0)
+    return model
+
+
+def gpu_model(dtype=torch.float16) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(CONFIG)).materialize("cuda", dtype)
+    with torch.no_grad():
+        for name, tensor in cpu_model().checkpoint_tensors().items():
+            model.checkpoint_tensors()[name].copy_(tensor)
+    return model
+
+
+@contextlib.contextmanager
+def sync_debug_error():
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def rel_err(out, ref):
+    return ((out.double().cpu() - ref.double().cpu()).norm() / ref.double().cpu().norm()).item()
+
+
+@requires_cuda
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_graph_decode_equals_eager_decode(params):
+    graphed = Generator(gpu_model(), None, max_seq_len=512, device="cuda", use_cuda_graph=True)
+    eager = Generator(gpu_model(), None, max_seq_len=512, device="cuda", use_cuda_graph=False)
+    graphed.eos_id = eager.eos_id = None
+    ours = graphed.generate(PROMPT, params, max_new_tokens=40)
+    again = graphed.generate(PROMPT, params, max_new_tokens=40)  # replays the graphs captured above
+    reference = eager.generate(PROMPT, params, max_new_tokens=40)
+    assert len(ours.tokens) == 40
+    assert ours.tokens == reference.tokens == again.tokens
+    assert ours.stats.decode_tok_s > 0 and ours.stats.peak_mem_gb > 0
+
+
+@requires_cuda
+def test_fp16_gpu_logits_track_fp32_cpu():
+    reference, model = cpu_model(), gpu_model()
+    reference.setup_caches(1, 320)
+    model.setup_caches(1, 320)
+    tokens = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        expected = reference(tokens, torch.arange(len(PROMPT)), kv_len=len(PROMPT))
+        out = model(tokens.cuda(), torch.arange(len(PROMPT), device="cuda"), kv_len=len(PROMPT))
+        assert rel_err(out, expected) < 1e-2
+        for pos, token in enumerate([5, 77, 1998, 400], start=len(PROMPT)):
+            step_ref = reference(torch.tensor([[token]]), torch.tensor([pos]), kv_len=320)
+            step = model(torch.tensor([[token]], device="cuda"), torch.tensor([pos], device="cuda"), kv_len=256 + 64)
+            assert rel_err(step, step_ref) < 1e-2, f"decode step at position {pos}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("use_cuda_graph", [True, False], ids=["graph", "eager"])
+@pytest.mark.parametrize("params", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_generation_never_syncs_with_the_host(use_cuda_graph, params):
+    """Once graphs exist, a whole generate() (prefill, decode, streaming the tokens back through
+    pinned memory and events) runs without one synchronizing CUDA call."""
+    generator = Generator(gpu_model(), None, max_seq_len=512, device="cuda", use_cuda_graph=use_cuda_graph)
+    generator.eos_id = None
+    warm = generator.generate(PROMPT, params, max_new_tokens=24)  # lazy init and graph capture
+    with sync_debug_error():
+        result = generator.generate(PROMPT, params, max_new_tokens=24)
+    assert result.tokens == warm.tokens
+
+
+@requires_cuda
+def test_decode_step_never_syncs():
+    generator = Generator(gpu_model(), None, max_seq_len=512, device="cuda", use_cuda_graph=False)
+    generator.generate(PROMPT[:8], SAMPLED, max_new_tokens=4)
+    with sync_debug_error(), torch.inference_mode():
+        for pos in range(12, 20):
+            generator._launch_step(pos, SAMPLED)
+    torch.cuda.synchronize()
