@@ -9,6 +9,7 @@
 #include "activation.h"
 #include "argmax.h"
 #include "gemv.h"
+#include "hgemm.h"
 #include "macko.h"
 
 namespace {
@@ -142,11 +143,35 @@ void macko_decompress(const at::Tensor& values, const at::Tensor& deltas, const 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, c10::string_view kernel) {
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(w, "w");
+    check_cuda_contiguous(out, "out");
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.hgemm: expects x [M, K], w [N, K], out [M, N]");
+    const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+    TORCH_CHECK(w.size(1) == k, "minfer.hgemm: x has K=", k, " but w has K=", w.size(1));
+    TORCH_CHECK(out.size(0) == m && out.size(1) == n, "minfer.hgemm: out must be [", m, ", ", n, "]");
+    TORCH_CHECK(n % 8 == 0 && k % 8 == 0, "minfer.hgemm: N and K must be multiples of 8, got N=", n, ", K=", k,
+                "; pad the weight (and x) with zeros to the next multiple of 8");
+    TORCH_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
+                "minfer.hgemm: x, w and out must share one dtype");
+    TORCH_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
+                "minfer.hgemm: float16 or bfloat16 only, got ", w.scalar_type());
+    TORCH_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.hgemm: tensors on different devices");
+    const c10::cuda::CUDAGuard guard(w.device());
+    const std::string name(kernel);
+    const char* error = minfer::launch_hgemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, dtype_of(w),
+                                             name.c_str(), current_stream());
+    TORCH_CHECK(error == nullptr, "minfer.hgemm: ", error);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out) -> ()");
+    m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out, str kernel=\"auto\") -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
     m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps=0, int warps_per_block=0, int x_in_smem=-1) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
@@ -155,6 +180,7 @@ TORCH_LIBRARY(minfer, m) {
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("gemv", &gemv);
+    m.impl("hgemm", &hgemm);
     m.impl("argmax", &argmax);
     m.impl("macko_spmv", &macko_spmv);
     m.impl("macko_decompress", &macko_decompress);

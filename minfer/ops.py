@@ -198,6 +198,54 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> t
     return out
 
 
+HGEMM_KERNELS = ("auto", "sm80", "sm80_64x128", "sm80_128x128",
+                 "sm90", "sm90_128x64", "sm90_128x128", "sm90_128x192", "sm90_128x256")
+
+
+def hgemm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+@fake_impl("minfer::hgemm")
+def _hgemm_fake(x, w, out, kernel="auto"):
+    return None
+
+
+def hgemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
+    """x @ w.T for prefill: x [..., K], w [N, K] (HF layout) -> [..., N], fp32 accumulation.
+
+    `kernel` pins a path and tile for tests and benchmarks (HGEMM_KERNELS; kernels/hgemm.h);
+    "auto" takes wgmma + TMA on sm_90a and mma.sync elsewhere.
+    """
+    k = x.shape[-1]
+    if w.dim() != 2 or w.shape[1] != k:
+        raise FormatError(f"hgemm needs w [N, {k}] for x [..., {k}], got w {tuple(w.shape)}")
+    if kernel not in HGEMM_KERNELS:
+        raise FormatError(f"unknown hgemm kernel {kernel!r}; choose one of {HGEMM_KERNELS}")
+    n = w.shape[0]
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], n)
+    if use_kernels(x):
+        if n % 8 or k % 8:
+            raise FormatError(f"hgemm needs N and K to be multiples of 8, got N={n}, K={k}; pad the weight with zeros")
+        dst = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        torch.ops.minfer.hgemm(_aligned_copy(x.reshape(-1, k)), _aligned_copy(w), dst.view(-1, n), kernel)
+        if dst is not out:
+            out.copy_(dst)
+    else:
+        out.copy_(hgemm_reference(x, w))
+    return out
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """The HGEMM kernels move 16-byte pieces of contiguous rows."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    return t if _rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
 def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits.float(), dim=-1)
 

@@ -1,0 +1,39 @@
+// Device helpers shared by the HGEMM kernels (include from .cu files only).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace minfer {
+
+struct TileCoord {
+    int m;  // tile row (block of M)
+    int n;  // tile column (block of N)
+};
+
+// Tiles run in bands of `band` tile rows; inside a band, down M first, then across N. The tiles
+// in flight at once then share a few x row-panels and w column-panels, which stay in L2.
+__device__ __forceinline__ TileCoord tile_coord(int tile, int tiles_m, int tiles_n, int band) {
+    const int per_band = band * tiles_n;
+    const int first_m = (tile / per_band) * band;
+    const int rows = min(band, tiles_m - first_m);
+    const int in_band = tile % per_band;
+    return {first_m + in_band % rows, in_band / rows};
+}
+
+// Two fp32 accumulators rounded into one 32-bit register of two 16-bit values (low = a).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
+template <> __device__ __forceinline__ uint32_t pack2<half>(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+}  // namespace minfer

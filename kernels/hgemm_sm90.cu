@@ -1,0 +1,443 @@
+// HGEMM on sm_90a (H100/H200): wgmma on the tensor cores, TMA (cp.async.bulk.tensor) loads into
+// 128-byte-swizzled shared memory, an mbarrier pipeline, and TMA stores for the output.
+//
+// One persistent CTA per SM walks output tiles of 128 x BN. Warp-specialized: warpgroup 0 is the
+// producer (one thread issues the TMA loads of X and W k-blocks into a ring of stages); warpgroups
+// 1 and 2 are consumers, each owning 64 rows of the tile with a 64 x BN fp32 accumulator in
+// registers (wgmma m64nBNk16, both operands read from shared memory). Stage ownership passes
+// through two mbarriers per stage: `full` (TMA bytes landed) and `empty` (consumers done reading).
+// While consumers run the epilogue of one tile, the producer already fills stages for the next.
+#include <cuda.h>  // CUtensorMap and its enums only: the driver entry point is fetched at run time
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "hgemm.h"
+#include "hgemm_common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "hgemm_sm90.cu needs the sm_90a target for wgmma and setmaxnreg: build for Hopper with TORCH_CUDA_ARCH_LIST=9.0a"
+#endif
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MINFER_SM90A 1
+#endif
+
+namespace minfer {
+
+namespace {
+
+constexpr int kBM = 128;            // tile rows: two consumer warpgroups of 64
+constexpr int kBK = 64;             // K per stage: 64 halfs = one 128-byte swizzle row
+constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
+constexpr int kEpiCols = 64;        // output columns per TMA store: one 128-byte swizzle row
+constexpr int kEpiBytes = 64 * kEpiCols * 2;  // one consumer's 64 rows of those columns
+constexpr int kBand = 16;           // tile rows per band in the tile order (hgemm_common.cuh)
+constexpr int kSmemLimit = 227 * 1024;
+
+template <int BN>
+struct Sm90Tile {
+    static constexpr int kStageA = kBM * kBK * 2;
+    static constexpr int kStageBytes = kStageA + BN * kBK * 2;
+    static constexpr int kEpiTotal = 2 * 2 * kEpiBytes;  // two buffers per consumer warpgroup
+    static constexpr int kSlack = 1024;                   // to align the dynamic buffer to 1024 B
+    static constexpr int kBarrierBytes = 2 * 8 * 8;       // up to 8 stages x (full, empty)
+    static constexpr int kFit = (kSmemLimit - kEpiTotal - kSlack - kBarrierBytes) / kStageBytes;
+    static constexpr int kStages = kFit < 8 ? kFit : 8;
+    static constexpr int kSmemBytes = kSlack + kStages * kStageBytes + kEpiTotal + kBarrierBytes;
+    static_assert(BN % kEpiCols == 0 && BN <= 256, "wgmma N is at most 256; epilogue works in 64 columns");
+    static_assert(kStages >= 3, "too little shared memory for a pipeline");
+};
+
+#ifdef MINFER_SM90A
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// One arrival that also announces `bytes` of TMA traffic to come.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase with this parity has completed. A fresh barrier counts its phase
+// "before 0" (parity 1) as complete, so the producer's first pass over the ring does not wait.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// Box at (c0 = column, c1 = row) of a 2-D tensor map -> shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
+            "r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// Shared memory -> box at (c0, c1); the parts of the box outside the tensor are not written.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map), "r"(c0),
+                 "r"(c1), "r"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N committed stores still read their shared-memory source.
+template <int N> __device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Orders this thread's ordinary shared-memory writes before later async-proxy (TMA) reads.
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void warpgroup_barrier(int id) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
+template <int R> __device__ __forceinline__ void fence_registers(float (&d)[R]) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor for a K-major operand in the 128-byte swizzle layout TMA writes:
+// rows of 128 bytes, groups of 8 rows 1024 bytes apart (stride byte offset); the leading byte
+// offset is unused when the instruction's K (32 bytes) lies inside one swizzle row. Adding 2 to
+// the descriptor steps 32 bytes (16 halfs) along K.
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// PTX names every accumulator register of a wgmma, so the operand lists are written out.
+#define MINFER_WGMMA_REGS0                                                         \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MINFER_WGMMA_REGS1                                                                  \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define MINFER_WGMMA_REGS2                                                                  \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define MINFER_WGMMA_REGS3                                                                           \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define MINFER_F8(i) \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define MINFER_F32(i) MINFER_F8(i), MINFER_F8(i + 8), MINFER_F8(i + 16), MINFER_F8(i + 24)
+
+// D (64 x N, fp32) = A (64 x 16) * B (16 x N) + scale_d * D; DA, DB, SD: operand numbers of the
+// descriptors and of scale_d, which follow the N / 2 accumulators.
+#define MINFER_WGMMA(TYPE, SHAPE, REGS, DA, DB, SD, ...)                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SD ", 0;\nwgmma.mma_async.sync.aligned." SHAPE         \
+                 ".f32." TYPE "." TYPE " {" REGS "}, %" DA ", %" DB ", p, 1, 1, 0, 0;\n}\n"                 \
+                 : __VA_ARGS__                                                                             \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+#define MINFER_WGMMA_TYPED(...)                                \
+    do {                                                       \
+        if constexpr (std::is_same_v<T, half>) {               \
+            MINFER_WGMMA("f16", __VA_ARGS__);                  \
+        } else {                                               \
+            MINFER_WGMMA("bf16", __VA_ARGS__);                 \
+        }                                                      \
+    } while (0)
+
+template <int BN, typename T>
+__device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    if constexpr (BN == 64) {
+        MINFER_WGMMA_TYPED("m64n64k16", MINFER_WGMMA_REGS0, "32", "33", "34", MINFER_F32(0));
+    } else if constexpr (BN == 128) {
+        MINFER_WGMMA_TYPED("m64n128k16", MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1, "64", "65", "66", MINFER_F32(0),
+                           MINFER_F32(32));
+    } else if constexpr (BN == 192) {
+        MINFER_WGMMA_TYPED("m64n192k16", MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1 ", " MINFER_WGMMA_REGS2, "96",
+                           "97", "98", MINFER_F32(0), MINFER_F32(32), MINFER_F32(64));
+    } else {
+        static_assert(BN == 256, "tile N is 64, 128, 192 or 256");
+        MINFER_WGMMA_TYPED("m64n256k16",
+                           MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1 ", " MINFER_WGMMA_REGS2 ", " MINFER_WGMMA_REGS3,
+                           "128", "129", "130", MINFER_F32(0), MINFER_F32(32), MINFER_F32(64), MINFER_F32(96));
+    }
+}
+
+#endif  // MINFER_SM90A
+
+template <typename T, int BN>
+__global__ void __launch_bounds__(kThreads, 1)
+    hgemm_sm90_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
+                      const __grid_constant__ CUtensorMap map_y, int M, int N, int K) {
+#ifdef MINFER_SM90A
+    using Tile = Sm90Tile<BN>;
+    constexpr int S = Tile::kStages;
+    extern __shared__ uint8_t smem_raw[];
+    // 128-byte swizzle atoms repeat every 1024 bytes: stages and epilogue buffers start on 1024.
+    const uint32_t base = (shared_address(smem_raw) + 1023) & ~1023u;
+    const uint32_t epi_base = base + S * Tile::kStageBytes;
+    const uint32_t full_bar = epi_base + Tile::kEpiTotal;  // S barriers of 8 bytes
+    const uint32_t empty_bar = full_bar + S * 8;
+
+    const int warpgroup = threadIdx.x / 128;
+    const int tiles_m = (M + kBM - 1) / kBM, tiles_n = (N + BN - 1) / BN;
+    const int num_tiles = tiles_m * tiles_n;
+    const int num_k = (K + kBK - 1) / kBK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; ++s) {
+            mbar_init(full_bar + 8 * s, 1);   // the producer's arrive.expect_tx
+            mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0) {
+            int it = 0;  // k-blocks issued so far: stage it % S, ring pass it / S
+            for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+                const TileCoord tile = tile_coord(t, tiles_m, tiles_n, kBand);
+                for (int kb = 0; kb < num_k; ++kb, ++it) {
+                    const int s = it % S;
+                    mbar_wait(empty_bar + 8 * s, ((it / S) & 1) ^ 1);
+                    const uint32_t stage = base + s * Tile::kStageBytes;
+                    mbar_arrive_expect_tx(full_bar + 8 * s, Tile::kStageBytes);
+                    tma_load(stage, &map_x, kb * kBK, tile.m * kBM, full_bar + 8 * s);
+                    tma_load(stage + Tile::kStageA, &map_w, kb * kBK, tile.n * BN, full_bar + 8 * s);
+                }
+            }
+        }
+    } else {
+        setmaxnreg_inc<232>();
+        const int consumer = warpgroup - 1;  // rows [64 * consumer, 64 * consumer + 64) of the tile
+        const int t128 = threadIdx.x % 128, lane = threadIdx.x % 32, warp = t128 / 32;
+        const uint32_t epi_own = epi_base + consumer * 2 * kEpiBytes;
+        // stmatrix row address of this lane: matrix lane / 8 is (rows +8 if odd) x (n8 block +1 if >= 2).
+        const int epi_row = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+        const int epi_block = lane >> 4;
+        float acc[BN / 2] = {};
+        int it = 0;   // k-blocks consumed so far
+        int epi = 0;  // epilogue chunks stored so far: buffer epi % 2
+        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+            const TileCoord tile = tile_coord(t, tiles_m, tiles_n, kBand);
+            for (int kb = 0; kb < num_k; ++kb, ++it) {
+                const int s = it % S;
+                mbar_wait(full_bar + 8 * s, (it / S) & 1);
+                const uint32_t stage = base + s * Tile::kStageBytes;
+                const uint64_t desc_a = smem_descriptor(stage + consumer * 64 * 128);
+                const uint64_t desc_b = smem_descriptor(stage + Tile::kStageA);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > 0 || k > 0);
+                wgmma_commit();
+                if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
+                    wgmma_wait<1>();
+                    if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % S));
+                }
+            }
+            wgmma_wait<0>();
+            fence_registers(acc);
+            if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % S));
+
+            // Epilogue, 64 columns at a time: registers -> swizzled shared buffer (stmatrix) -> TMA store.
+            // Accumulator layout: d[4 j + {0,1}] at row lane / 4, d[4 j + {2,3}] at row lane / 4 + 8,
+            // columns 8 j + 2 (lane % 4) + {0, 1}, within this warp's 16 rows.
+            const int row0 = tile.m * kBM + consumer * 64;
+            if (row0 >= M) continue;  // all 64 rows past the end (only in the last tile row)
+#pragma unroll
+            for (int c = 0; c < BN / kEpiCols; ++c, ++epi) {
+                const uint32_t buf = epi_own + (epi & 1) * kEpiBytes;
+                if (t128 == 0) tma_store_wait_read<1>();  // the store that last used this buffer has read it
+                warpgroup_barrier(1 + consumer);
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const int j = c * 8 + 2 * p;  // n8 blocks j and j + 1
+                    const int chunk = 2 * p + epi_block;
+                    stmatrix_x4(buf + epi_row * 128 + ((chunk ^ (epi_row & 7)) << 4),
+                                pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
+                                pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
+                }
+                fence_proxy_async();
+                warpgroup_barrier(1 + consumer);
+                if (t128 == 0) {
+                    tma_store(&map_y, buf, tile.n * BN + c * kEpiCols, row0);
+                    tma_store_commit();
+                }
+            }
+        }
+        if (t128 == 0) tma_store_wait_all();
+    }
+#endif
+}
+
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+EncodeTiled encode_tiled() {
+    static const EncodeTiled fn = [] {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            return static_cast<EncodeTiled>(nullptr);
+        return reinterpret_cast<EncodeTiled>(p);
+    }();
+    return fn;
+}
+
+// 2-D map over a row-major [rows, cols] matrix, boxes of box_rows x 64 columns, 128-byte swizzle;
+// elements outside the matrix load as zeros and are not stored.
+bool make_map(CUtensorMap* map, const void* ptr, DType dtype, int rows, int cols, int box_rows) {
+    const EncodeTiled encode = encode_tiled();
+    if (encode == nullptr) return false;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(cols) * 2};
+    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUtensorMapDataType type =
+        dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, type, 2, const_cast<void*>(ptr), dims, row_stride, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+int current_device() {
+    int device = 0;
+    cudaGetDevice(&device);
+    return device;
+}
+
+int multiprocessors(int device) {
+    static std::atomic<int> cached[64] = {};
+    if (device >= 64) device = 63;
+    int sms = cached[device].load(std::memory_order_relaxed);
+    if (sms == 0) {
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        cached[device].store(sms, std::memory_order_relaxed);
+    }
+    return sms;
+}
+
+template <typename T, int BN>
+const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int k, DType dtype,
+                        cudaStream_t stream) {
+    using Tile = Sm90Tile<BN>;
+    auto kernel = hgemm_sm90_kernel<T, BN>;
+    // The shared-memory opt-in is per device; set it once, outside any graph capture that follows.
+    static std::atomic<uint64_t> opted_in{0};
+    const int device = current_device();
+    const uint64_t bit = 1ull << (device & 63);
+    if (!(opted_in.load() & bit)) {
+        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) !=
+            cudaSuccess)
+            return "this GPU cannot give the sm90 HGEMM kernel the shared memory it needs";
+        opted_in.fetch_or(bit);
+    }
+    CUtensorMap map_x, map_w, map_y;
+    if (!make_map(&map_x, x, dtype, m, k, kBM) || !make_map(&map_w, w, dtype, n, k, BN) ||
+        !make_map(&map_y, y, dtype, m, n, 64))
+        return "cuTensorMapEncodeTiled failed (driver too old for TMA, or a pointer not 16-byte aligned)";
+    const int tiles = ((m + kBM - 1) / kBM) * ((n + BN - 1) / BN);
+    const int sms = multiprocessors(device);
+    kernel<<<tiles < sms ? tiles : sms, kThreads, Tile::kSmemBytes, stream>>>(map_x, map_w, map_y, m, n, k);
+    return nullptr;
+}
+
+// Tile N with the least estimated time: whole waves of tiles over the SMs, times the tile's work
+// over how well that tile size keeps the tensor cores busy (wider tiles reuse each X load more).
+int choose_tile_n(int m, int n, int sms) {
+    constexpr int kTileN[4] = {256, 192, 128, 64};
+    constexpr double kEfficiency[4] = {1.0, 0.95, 0.88, 0.72};
+    int best = 256;
+    double best_cost = 0.0;
+    for (int i = 0; i < 4; ++i) {
+        const long tiles = static_cast<long>((m + kBM - 1) / kBM) * ((n + kTileN[i] - 1) / kTileN[i]);
+        const long waves = (tiles + sms - 1) / sms;
+        const double cost = waves * kTileN[i] / kEfficiency[i];
+        if (i == 0 || cost < best_cost) {
+            best = kTileN[i];
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
+template <typename T>
+const char* launch_typed(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
+                         cudaStream_t stream) {
+    if (tile_n == 0) tile_n = choose_tile_n(m, n, multiprocessors(current_device()));
+    switch (tile_n) {
+        case 64: return launch_tile<T, 64>(x, w, y, m, n, k, dtype, stream);
+        case 128: return launch_tile<T, 128>(x, w, y, m, n, k, dtype, stream);
+        case 192: return launch_tile<T, 192>(x, w, y, m, n, k, dtype, stream);
+        case 256: return launch_tile<T, 256>(x, w, y, m, n, k, dtype, stream);
+        default: return "unknown sm90 HGEMM tile";
+    }
+}
+
+}  // namespace
+
+bool hgemm_sm90_available() {
+    static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
+    const int device = current_device() & 63;
+    int state = cached[device].load(std::memory_order_relaxed);
+    if (state == 0) {
+        cudaDeviceProp prop;
+        cudaFuncAttributes attr;
+        // sm_90 machine code compiled from sm_90a PTX (the #error above rules out plain sm_90).
+        const bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
+                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256>) == cudaSuccess &&
+                        attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_tiled() != nullptr;
+        state = ok ? 2 : 1;
+        cached[device].store(state, std::memory_order_relaxed);
+    }
+    return state == 2;
+}
+
+const char* launch_hgemm_sm90(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
+                              cudaStream_t stream) {
+    if (!hgemm_sm90_available()) return "the sm90 HGEMM path needs an sm_90 GPU and a build for 9.0a";
+    switch (dtype) {
+        case DType::kFloat16: return launch_typed<half>(x, w, y, m, n, k, dtype, tile_n, stream);
+        case DType::kBFloat16: return launch_typed<__nv_bfloat16>(x, w, y, m, n, k, dtype, tile_n, stream);
+        default: return "HGEMM takes float16 or bfloat16";
+    }
+}
+
+}  // namespace minfer
