@@ -11,6 +11,9 @@
 #include "gemv.h"
 #include "hgemm.h"
 #include "macko.h"
+#include "decode_attention.h"
+#include "rms_norm.h"
+#include "rope.h"
 
 namespace {
 
@@ -166,6 +169,139 @@ void hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, c10::strin
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// ---- fused decode ops: rms_norm, add_rms_norm, rope_write_kv, decode_attention (kernels/rms_norm.h, rope.h,
+// decode_attention.h) ----
+
+void run_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+                  at::Tensor& out, const char* op) {
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(weight, "weight");
+    check_cuda_contiguous(out, "out");
+    const int64_t hidden = x.size(-1);
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, op, ": weight must be [", hidden, "]");
+    TORCH_CHECK(out.sizes() == x.sizes(), op, ": out must have x's shape ", x.sizes());
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,
+                ": x, weight and out must share one dtype");
+    TORCH_CHECK(weight.device() == x.device() && out.device() == x.device(), op, ": tensors on different devices");
+    if (residual != nullptr) {
+        check_cuda_contiguous(*residual, "residual");
+        TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                        residual->device() == x.device(),
+                    op, ": residual must match x in shape, dtype and device");
+    }
+    if (x.numel() == 0) return;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const bool launched = minfer::launch_rms_norm(x.data_ptr(), residual ? residual->data_ptr() : nullptr,
+                                                  weight.data_ptr(), out.data_ptr(), x.numel() / hidden, hidden,
+                                                  (float)eps, dtype_of(x), current_stream());
+    TORCH_CHECK(launched, op, ": rows of ", hidden, " elements are longer than the kernel holds (16384 fp16/bf16, ",
+                "8192 fp32 or unaligned)");
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+    run_rms_norm(x, nullptr, weight, eps, out, "minfer.rms_norm");
+}
+
+void add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+    run_rms_norm(x, &residual, weight, eps, out, "minfer.add_rms_norm");
+}
+
+minfer::TokenHeadStrides token_head_strides(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.stride(3) == 1, "minfer.rope_write_kv: ", name,
+                " must be a CUDA [B, T, H, D] tensor with a contiguous last dim");
+    return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& input_pos, at::Tensor& k_cache, at::Tensor& v_cache) {
+    const auto qs = token_head_strides(q, "q"), ks = token_head_strides(k, "k"), vs = token_head_strides(v, "v");
+    check_cuda_contiguous(cos, "cos");
+    check_cuda_contiguous(sin, "sin");
+    check_cuda_contiguous(input_pos, "input_pos");
+    check_cuda_contiguous(k_cache, "k_cache");
+    check_cuda_contiguous(v_cache, "v_cache");
+    const int64_t batch = q.size(0), tokens = q.size(1), q_heads = q.size(2), head_dim = q.size(3);
+    const int64_t kv_heads = k.size(2);
+    TORCH_CHECK(head_dim % 2 == 0, "minfer.rope_write_kv: head_dim must be even, got ", head_dim);
+    TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(1) == tokens && k.size(3) == head_dim,
+                "minfer.rope_write_kv: k and v must be [", batch, ", ", tokens, ", Hkv, ", head_dim, "]");
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == batch &&
+                    k_cache.size(1) == kv_heads && k_cache.size(3) == head_dim,
+                "minfer.rope_write_kv: caches must be [", batch, ", ", kv_heads, ", S, ", head_dim, "]");
+    const int64_t max_seq_len = k_cache.size(2);
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+                    cos.dim() == 2 && cos.size(1) == head_dim / 2 && cos.size(0) >= max_seq_len,
+                "minfer.rope_write_kv: cos and sin must be float32 [>= ", max_seq_len, ", ", head_dim / 2, "]");
+    TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.dim() == 1 && input_pos.size(0) == tokens,
+                "minfer.rope_write_kv: input_pos must be int64 [", tokens, "]");
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
+                    v_cache.scalar_type() == dtype,
+                "minfer.rope_write_kv: q, k, v and the caches must share one dtype");
+    const auto device = q.device();
+    TORCH_CHECK(k.device() == device && v.device() == device && cos.device() == device && sin.device() == device &&
+                    input_pos.device() == device && k_cache.device() == device && v_cache.device() == device,
+                "minfer.rope_write_kv: tensors on different devices");
+    const c10::cuda::CUDAGuard guard(device);
+    minfer::launch_rope_write_kv(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), input_pos.data_ptr<int64_t>(), k_cache.data_ptr(),
+                                 v_cache.data_ptr(), batch, tokens, q_heads, kv_heads, head_dim, max_seq_len, qs, ks,
+                                 vs, dtype_of(q), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                      int64_t num_splits) {
+    TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.stride(2) == 1,
+                "minfer.decode_attention: q must be a CUDA [B, Hq, D] tensor with a contiguous last dim");
+    check_cuda_contiguous(k_cache, "k_cache");
+    check_cuda_contiguous(v_cache, "v_cache");
+    check_cuda_contiguous(input_pos, "input_pos");
+    check_cuda_contiguous(out, "out");
+    check_cuda_contiguous(workspace, "workspace");
+    const int64_t batch = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == batch &&
+                    k_cache.size(3) == head_dim,
+                "minfer.decode_attention: caches must be [", batch, ", Hkv, S, ", head_dim, "]");
+    const int64_t kv_heads = k_cache.size(1), max_seq_len = k_cache.size(2);
+    TORCH_CHECK(head_dim == 64 || head_dim == 128, "minfer.decode_attention: head_dim 64 or 128, got ", head_dim);
+    TORCH_CHECK(kv_heads >= 1 && q_heads % kv_heads == 0 && q_heads / kv_heads <= minfer::kDecodeAttnMaxGroup,
+                "minfer.decode_attention: Hq must be a multiple of Hkv, at most ", minfer::kDecodeAttnMaxGroup,
+                " times it; got Hq=", q_heads, ", Hkv=", kv_heads);
+    TORCH_CHECK(max_seq_len >= 1, "minfer.decode_attention: empty cache");
+    const auto dtype = q.scalar_type();
+    TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+                "minfer.decode_attention: float16 or bfloat16 only, got ", dtype);
+    TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+                "minfer.decode_attention: q, caches and out must share one dtype");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_cache.data_ptr()) % 16 == 0,
+                "minfer.decode_attention: caches must be 16-byte aligned");
+    TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.numel() == 1,
+                "minfer.decode_attention: input_pos must be int64 with one element");
+    TORCH_CHECK(out.sizes() == q.sizes(), "minfer.decode_attention: out must be [", batch, ", ", q_heads, ", ",
+                head_dim, "]");
+    TORCH_CHECK(num_splits >= 1 && num_splits <= minfer::kDecodeAttnMaxSplits,
+                "minfer.decode_attention: num_splits must be in 1..", minfer::kDecodeAttnMaxSplits);
+    const int64_t need = minfer::decode_attention_workspace_floats(batch, q_heads, kv_heads, head_dim, num_splits);
+    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.numel() >= need &&
+                    reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0,
+                "minfer.decode_attention: workspace must be zero-initialised float32 of >= ", need,
+                " elements (minfer.ops.decode_attention_workspace makes one)");
+    const auto device = q.device();
+    TORCH_CHECK(k_cache.device() == device && v_cache.device() == device && input_pos.device() == device &&
+                    out.device() == device && workspace.device() == device,
+                "minfer.decode_attention: tensors on different devices");
+    const c10::cuda::CUDAGuard guard(device);
+    minfer::launch_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    input_pos.data_ptr<int64_t>(), (float)scale, out.data_ptr(),
+                                    workspace.data_ptr<float>(), batch, q_heads, kv_heads, head_dim, max_seq_len,
+                                    (int)num_splits, dtype_of(q), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minfer, m) {
@@ -175,6 +311,10 @@ TORCH_LIBRARY(minfer, m) {
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
     m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps=0, int warps_per_block=0, int x_in_smem=-1) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+    m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");
+    m.def("rope_write_kv(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor input_pos, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
+    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, Tensor(a!) out, Tensor(b!) workspace, int num_splits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
@@ -184,4 +324,8 @@ TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("argmax", &argmax);
     m.impl("macko_spmv", &macko_spmv);
     m.impl("macko_decompress", &macko_decompress);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("add_rms_norm", &add_rms_norm);
+    m.impl("rope_write_kv", &rope_write_kv);
+    m.impl("decode_attention", &decode_attention);
 }

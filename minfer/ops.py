@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import DeviceError, FormatError, KernelBuildError
+from .errors import DeviceError, FormatError, KernelBuildError, MinferError
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 EXTENSION_NAME = "minfer_kernels"
@@ -343,6 +343,177 @@ def macko_decompress(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.
         torch.ops.minfer.macko_decompress(values, deltas, row_ptr, out)
     else:
         out.copy_(macko_decompress_reference(values, deltas, row_ptr, out.shape[1]))
+    return out
+
+
+# ---- RMSNorm, with the residual add fused ----
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: variance in fp32 (or wider), the normalised value cast back to x's dtype,
+    then multiplied by the weight."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+@fake_impl("minfer::rms_norm")
+def _rms_norm_fake(x, weight, eps, out):
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm(x) * weight over the last dim, one pass over x (out may be x itself)."""
+    if out is None:
+        out = torch.empty_like(x)
+    if use_kernels(x):
+        torch.ops.minfer.rms_norm(x, weight, eps, out)
+    else:
+        out.copy_(rms_norm_reference(x, weight, eps))
+    return out
+
+
+@fake_impl("minfer::add_rms_norm")
+def _add_rms_norm_fake(residual, x, weight, eps, out):
+    return None
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """residual += x in place (rounded to its dtype, as `residual + x` is), then returns
+    rms_norm(residual) * weight; one pass over residual and x."""
+    if out is None:
+        out = torch.empty_like(x)
+    if use_kernels(x):
+        torch.ops.minfer.add_rms_norm(residual, x, weight, eps, out)
+    else:
+        residual.add_(x)
+        out.copy_(rms_norm_reference(residual, weight, eps))
+    return out
+
+
+# ---- RoPE fused with the KV-cache write ----
+
+
+def rope_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """HF half-split RoPE (rotate_half) in fp32: q [B, T, Hq, D] rotated in place; rotated k and v
+    [B, T, Hkv, D] stored into the [B, Hkv, S, D] caches at positions input_pos [T]."""
+    c = cos[input_pos][:, None, :]  # [T, 1, D/2], broadcast over batch and heads
+    s = sin[input_pos][:, None, :]
+
+    def rotate(x):
+        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    q.copy_(rotate(q))
+    k_cache.index_copy_(2, input_pos, rotate(k).transpose(1, 2))
+    v_cache.index_copy_(2, input_pos, v.transpose(1, 2))
+
+
+@fake_impl("minfer::rope_write_kv")
+def _rope_write_kv_fake(q, k, v, cos, sin, input_pos, k_cache, v_cache):
+    return None
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """RoPE on q in place and on k, then k and v written into the caches at input_pos, in one pass.
+
+    q [B, T, Hq, D], k and v [B, T, Hkv, D] may be strided views (e.g. of the fused qkv output) with a
+    contiguous last dim; cos and sin are fp32 [>= S, D/2] tables (Llama-3 scaling included), input_pos
+    int64 [T] on the device, so the call is graph-capturable. k itself is left as it was. The kernel
+    skips tokens whose position is outside the cache; the caller checks the context length.
+    """
+    if use_kernels(q):
+        torch.ops.minfer.rope_write_kv(q, k, v, cos, sin, input_pos, k_cache, v_cache)
+    else:
+        rope_write_kv_reference(q, k, v, cos, sin, input_pos, k_cache, v_cache)
+
+
+# ---- Decode attention: split-K flash-decoding with GQA ----
+
+DECODE_ATTENTION_MAX_SPLITS = 256  # kernels/decode_attention.h: kDecodeAttnMaxSplits
+DECODE_ATTENTION_SPLIT_ROWS = 64  # a split covers whole rounds of 4 warps x 16 positions
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               input_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence, q [B, Hq, D], over cache positions 0..input_pos[0] (clamped into
+    the cache) of [B, Hkv, S, D] caches; query head h reads KV head h // (Hq / Hkv). Computed in fp32
+    (or wider) without a host sync; positions past the live length are never used, even if NaN."""
+    batch, q_heads, _ = q.shape
+    kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    last = input_pos.reshape(-1)[0].clamp(0, max_seq_len - 1)
+    live = (torch.arange(max_seq_len, device=q.device) <= last)[:, None]  # [S, 1]
+    k = torch.where(live, k_cache.to(wide), 0.0).repeat_interleave(q_heads // kv_heads, dim=1)
+    v = torch.where(live, v_cache.to(wide), 0.0).repeat_interleave(q_heads // kv_heads, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
+    scores = scores.masked_fill(~live[:, 0], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
+
+
+def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str) -> int:
+    """Splits per (batch, KV head) that give each SM one block: the kernel keeps 128 KB of K/V per block
+    in shared memory, so one block per SM is resident and more splits only add merge work."""
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    most_useful = -(-max_seq_len // DECODE_ATTENTION_SPLIT_ROWS)
+    return max(1, min(sms // (batch * num_kv_heads), most_useful, DECODE_ATTENTION_MAX_SPLITS))
+
+
+def _decode_attention_counter_floats(batch: int, num_kv_heads: int) -> int:
+    return -(-batch * num_kv_heads // 4) * 4
+
+
+def decode_attention_workspace(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                               device: torch.device | str, num_splits: int | None = None) -> torch.Tensor:
+    """The zeroed fp32 buffer decode_attention keeps its per-split partials in; allocate it once per
+    model (all layers can share it) and pass it to every call, so decode allocates nothing."""
+    if num_splits is None:
+        num_splits = decode_attention_splits(batch, num_kv_heads, max_seq_len, device)
+    if not 1 <= num_splits <= DECODE_ATTENTION_MAX_SPLITS:
+        raise MinferError(f"num_splits must be in 1..{DECODE_ATTENTION_MAX_SPLITS}, got {num_splits}")
+    floats = _decode_attention_counter_floats(batch, num_kv_heads) + batch * num_heads * num_splits * (head_dim + 1)
+    return torch.zeros(floats, dtype=torch.float32, device=device)
+
+
+def _decode_attention_workspace_splits(workspace: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int,
+                                       head_dim: int) -> int:
+    per_split = batch * num_heads * (head_dim + 1)
+    splits, rest = divmod(workspace.numel() - _decode_attention_counter_floats(batch, num_kv_heads), per_split)
+    if rest or not 1 <= splits <= DECODE_ATTENTION_MAX_SPLITS:
+        raise MinferError(f"the decode_attention workspace ({workspace.numel()} floats) does not fit B={batch}, "
+                          f"Hq={num_heads}, Hkv={num_kv_heads}, D={head_dim}; make it with decode_attention_workspace()")
+    return splits
+
+
+@fake_impl("minfer::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits):
+    return None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                     scale: float, out: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, D] (one token per sequence) over cache positions 0..input_pos[0].
+
+    input_pos is an int64 device tensor of one element, so a captured graph stays valid as the
+    context grows. float16/bfloat16 with D 64 or 128 run the CUDA kernel, which reads each KV head
+    once for all its query heads; float32 runs the reference (for parity tests). `workspace` comes
+    from decode_attention_workspace(); without one, each call allocates its own.
+    """
+    if out is None:
+        out = q.new_empty(q.shape)
+    if use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16):
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+        if workspace is None:
+            workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device)
+        splits = _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
+        torch.ops.minfer.decode_attention(q, k_cache, v_cache, input_pos, scale, out, workspace, splits)
+    else:
+        out.copy_(decode_attention_reference(q, k_cache, v_cache, input_pos, scale))
     return out
 
 

@@ -1,0 +1,400 @@
+// Flash-decoding on tensor cores (mma.sync m16n8k16, sm_80+). One block per (split, KV head, batch).
+// Each warp streams its own 16-position steps of K and V through a cp.async ring in shared memory,
+// so the bytes in flight do not cost registers. S = Q K^T puts the G query heads of the KV head
+// on the mma's 16 rows (rows >= G are zero), so every K/V byte is read once for all of them; P V
+// reuses S's accumulator layout as the A operand. Warps merge in shared memory, splits through the
+// workspace: the last block of each KV head to finish (an arrival counter) does the final merge.
+#include "decode_attention.h"
+#include "device_utils.cuh"
+
+#include <algorithm>
+#include <cstring>
+
+namespace minfer {
+
+namespace {
+
+constexpr int kRows = kDecodeAttnStepRows;
+constexpr int kWarps = kDecodeAttnWarps;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRoundRows = kRows * kWarps;   // a block's share is a multiple of this
+constexpr int kWarpRingBytes = 32 * 1024;    // K/V bytes a warp keeps in flight or in use
+constexpr int kMaxStages = 8;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---- sm_80+ PTX: cp.async, ldmatrix, mma.sync ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy; when !valid nothing is read and the destination is zero-filled.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// wait_group takes an immediate, and the ring depth is picked at launch from the device's shared memory.
+__device__ __forceinline__ void cp_async_wait_pending(int n) {
+    switch (n) {
+        case 0: cp_async_wait<0>(); break;
+        case 1: cp_async_wait<1>(); break;
+        case 2: cp_async_wait<2>(); break;
+        case 3: cp_async_wait<3>(); break;
+        case 4: cp_async_wait<4>(); break;
+        case 5: cp_async_wait<5>(); break;
+        default: cp_async_wait<6>(); break;
+    }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+template <typename T> __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two values as one 32-bit mma operand register, `lo` in the low half (the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    const T pair[2] = {from_float<T>(lo), from_float<T>(hi)};
+    uint32_t bits;
+    memcpy(&bits, pair, sizeof(bits));
+    return bits;
+}
+
+struct AttnParams {
+    int64_t q_batch_stride, q_head_stride, max_seq_len;
+    int q_heads, kv_heads, group, stages;
+    float scale_log2;  // softmax scale * log2(e): scores are kept in base 2
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+    decode_attention_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                            const int64_t* __restrict__ input_pos, T* __restrict__ out, float* __restrict__ workspace,
+                            AttnParams p) {
+    constexpr int kElemsPer16B = 16 / sizeof(T);
+    constexpr int kChunks = D / kElemsPer16B;  // 16-byte chunks per K/V row
+    constexpr int kKSteps = D / 16;            // mma k-steps over the head dim (S = Q K^T)
+    constexpr int kDimTiles = D / 8;           // mma n-tiles over the head dim (O = P V)
+    constexpr int kStageElems = 2 * kRows * D; // one step: 16 K rows, then 16 V rows
+    static_assert(kChunks % 8 == 0, "the XOR swizzle needs rows of a multiple of 128 bytes");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ int block_is_last;
+    T* smem = reinterpret_cast<T*>(smem_raw);
+
+    const int split = blockIdx.x, splits = gridDim.x, h = blockIdx.y, b = blockIdx.z, batch = gridDim.z;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int G = p.group;
+
+    // Every block derives the same equal shares of the live length from the device-side position.
+    const int64_t live = min(max(input_pos[0] + 1, (int64_t)1), p.max_seq_len);
+    const int64_t share = ((live + splits - 1) / splits + kRoundRows - 1) / kRoundRows * kRoundRows;
+    const int n_live = (int)((live + share - 1) / share);
+    const int64_t begin = split * share;
+    if (begin >= live) return;
+    const int64_t end = min(begin + share, live);
+
+    const int64_t head_offset = ((int64_t)b * p.kv_heads + h) * p.max_seq_len * D;
+    const T* k_head = k_cache + head_offset;
+    const T* v_head = v_cache + head_offset;
+
+    // mma fragment coordinates: row `frag_row` (and +8), columns `frag_col`, +1 (and +8, +9).
+    const int frag_row = lane / 4, frag_col = 2 * (lane % 4);
+
+    // Q as the A operand: row = query head within the group, column = dim.
+    uint32_t qa[kKSteps][4];
+    {
+        const T* q_lo = q + b * p.q_batch_stride + (int64_t)(h * G + frag_row) * p.q_head_stride;
+        const T* q_hi = q_lo + 8 * p.q_head_stride;
+        const bool has_lo = frag_row < G, has_hi = frag_row + 8 < G;
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            const int c = 16 * kk + frag_col;
+            qa[kk][0] = has_lo ? pack2<T>(to_float(q_lo[c]), to_float(q_lo[c + 1])) : 0u;
+            qa[kk][1] = has_hi ? pack2<T>(to_float(q_hi[c]), to_float(q_hi[c + 1])) : 0u;
+            qa[kk][2] = has_lo ? pack2<T>(to_float(q_lo[c + 8]), to_float(q_lo[c + 9])) : 0u;
+            qa[kk][3] = has_hi ? pack2<T>(to_float(q_hi[c + 8]), to_float(q_hi[c + 9])) : 0u;
+        }
+    }
+
+    // This warp takes steps warp, warp + kWarps, ... of the block's share.
+    T* ring = smem + (size_t)warp * p.stages * kStageElems;
+    const int64_t steps = (end - begin + kRows - 1) / kRows;
+    const int my_steps = warp < steps ? (int)((steps - warp + kWarps - 1) / kWarps) : 0;
+    auto step_row = [&](int i) { return begin + ((int64_t)i * kWarps + warp) * kRows; };
+
+    // Chunk c of row r sits at chunk c ^ (r % 8): ldmatrix's 8 row reads then hit 8 distinct bank groups.
+    auto issue = [&](int i) {
+        const int64_t row0 = step_row(i);
+        T* slot = ring + (i % p.stages) * kStageElems;
+#pragma unroll
+        for (int j = 0; j < kRows * kChunks / 32; ++j) {
+            const int idx = lane + 32 * j, r = idx / kChunks, c = idx % kChunks;
+            const bool valid = row0 + r < end;  // rows past the share are zero-filled, never read
+            const int64_t src = valid ? (row0 + r) * D + c * kElemsPer16B : 0;
+            const int dst = (r * kChunks + (c ^ (r & 7))) * kElemsPer16B;
+            cp_async_16(smem_addr(slot + dst), k_head + src, valid);
+            cp_async_16(smem_addr(slot + kRows * D + dst), v_head + src, valid);
+        }
+    };
+
+    float o[kDimTiles][4];
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows frag_row and frag_row + 8
+
+    // ldmatrix.x4 address of this lane: matrices (rows 0-7 | 8-15) x (chunk c | c+1).
+    const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8, ld_chunk = lane >> 4;
+
+    for (int i = 0; i < p.stages - 1; ++i) {
+        if (i < my_steps) issue(i);
+        cp_async_commit();
+    }
+    for (int i = 0; i < my_steps; ++i) {
+        cp_async_wait_pending(p.stages - 2);  // step i has landed (this lane's copies)
+        __syncwarp();                         // ... and every lane's; slot i-1 is free again
+        if (i + p.stages - 1 < my_steps) issue(i + p.stages - 1);
+        cp_async_commit();
+
+        const T* k_slot = ring + (i % p.stages) * kStageElems;
+        const T* v_slot = k_slot + kRows * D;
+        const int64_t row0 = step_row(i);
+
+        // S = Q K^T over 16 positions: n-tile 0 holds positions 0-7, n-tile 1 positions 8-15.
+        float s[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            uint32_t kb[4];
+            ldmatrix_x4(kb, smem_addr(k_slot + (ld_row * kChunks + ((2 * kk + ld_chunk) ^ (ld_row & 7))) * kElemsPer16B));
+            mma_16816<T>(s[0], qa[kk], kb[0], kb[2]);
+            mma_16816<T>(s[1], qa[kk], kb[1], kb[3]);
+        }
+
+        // Online softmax per query row; a row's 16 scores are spread over the 4 lanes of a quad.
+        float pr[2][4];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {  // hr = 0: row frag_row (elements 0, 1); 1: row + 8 (2, 3)
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int64_t pos = row0 + 8 * j + frag_col + e;
+                    float& v = s[j][2 * hr + e];
+                    v = pos < end ? v * p.scale_log2 : -INFINITY;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[hr], mx);
+            const float base = m_new == -INFINITY ? 0.0f : m_new;  // nothing live in this row yet
+            const float alpha = exp2f(m[hr] - base);
+            m[hr] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    pr[j][2 * hr + e] = exp2f(s[j][2 * hr + e] - base);
+                    sum += pr[j][2 * hr + e];
+                }
+            l[hr] = l[hr] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < kDimTiles; ++dt) {
+                o[dt][2 * hr] *= alpha;
+                o[dt][2 * hr + 1] *= alpha;
+            }
+        }
+
+        // O += P V: S's accumulator layout is the A operand's (positions 0-7 then 8-15 along k).
+        const uint32_t pa[4] = {pack2<T>(pr[0][0], pr[0][1]), pack2<T>(pr[0][2], pr[0][3]),
+                                pack2<T>(pr[1][0], pr[1][1]), pack2<T>(pr[1][2], pr[1][3])};
+#pragma unroll
+        for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, smem_addr(v_slot + (ld_row * kChunks + ((2 * dp + ld_chunk) ^ (ld_row & 7))) * kElemsPer16B));
+            mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
+            mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+        }
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+
+    // Each warp leaves its unnormalised O [16][D], row maxima m[16] and row sums l[16] in its ring.
+    float* state = reinterpret_cast<float*>(ring);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+        l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+        const int row = frag_row + 8 * hr;
+        if (row < G) {
+#pragma unroll
+            for (int dt = 0; dt < kDimTiles; ++dt) {
+                state[row * D + 8 * dt + frag_col] = o[dt][2 * hr];
+                state[row * D + 8 * dt + frag_col + 1] = o[dt][2 * hr + 1];
+            }
+            if (lane % 4 == 0) {
+                state[16 * D + row] = m[hr];
+                state[16 * D + 16 + row] = l[hr];
+            }
+        }
+    }
+    __syncthreads();
+
+    const int q_heads = p.q_heads;
+    int* counters = reinterpret_cast<int*>(workspace);
+    float* part_o = workspace + (batch * p.kv_heads + 3) / 4 * 4;  // [B, Hq, splits, D]
+    float* part_lse = part_o + (int64_t)batch * q_heads * splits * D;  // [B, Hq, splits]
+    const int64_t warp_floats = (int64_t)p.stages * kStageElems * sizeof(T) / sizeof(float);
+    const float* states = reinterpret_cast<const float*>(smem);
+
+    // Merge the warps; a lone live split writes the output, others write their normalised partial.
+    for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
+        const int g = idx / D, d = idx % D;
+        float mx = -INFINITY;
+        for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, states[w * warp_floats + 16 * D + g]);
+        float num = 0.0f, den = 0.0f;
+        for (int w = 0; w < kWarps; ++w) {
+            const float* st = states + w * warp_floats;
+            const float f = exp2f(st[16 * D + g] - mx);
+            num += f * st[g * D + d];
+            den += f * st[16 * D + 16 + g];
+        }
+        const int64_t hq = (int64_t)b * q_heads + h * G + g;
+        if (n_live == 1) {
+            out[hq * D + d] = from_float<T>(num / den);
+        } else {
+            part_o[(hq * splits + split) * D + d] = num / den;
+            if (d == 0) part_lse[hq * splits + split] = mx + log2f(den);
+        }
+    }
+    if (n_live == 1) return;
+
+    // Publish the partial, then count arrivals; the last block of this KV head merges the splits.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) block_is_last = atomicAdd(&counters[b * p.kv_heads + h], 1) == n_live - 1;
+    __syncthreads();
+    if (!block_is_last) return;
+    __threadfence();
+
+    float* weights = reinterpret_cast<float*>(smem);  // [G][n_live], then 1 / sum per head
+    float* inv_sum = weights + G * n_live;
+    for (int g = warp; g < G; g += kWarps) {
+        const float* lse = part_lse + ((int64_t)b * q_heads + h * G + g) * splits;
+        float mx = -INFINITY;
+        for (int s = lane; s < n_live; s += 32) mx = fmaxf(mx, __ldcg(lse + s));
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (int s = lane; s < n_live; s += 32) {
+            const float w = exp2f(__ldcg(lse + s) - mx);
+            weights[g * n_live + s] = w;
+            sum += w;
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) inv_sum[g] = 1.0f / sum;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * (D / 4); idx += kThreads) {
+        const int g = idx / (D / 4), d4 = idx % (D / 4);
+        const int64_t hq = (int64_t)b * q_heads + h * G + g;
+        const float4* src = reinterpret_cast<const float4*>(part_o + hq * splits * D) + d4;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int s = 0; s < n_live; ++s) {
+            const float w = weights[g * n_live + s];
+            const float4 v = __ldcg(src + s * (D / 4));
+            acc.x += w * v.x;
+            acc.y += w * v.y;
+            acc.z += w * v.z;
+            acc.w += w * v.w;
+        }
+        const float inv = inv_sum[g];
+        T* dst = out + hq * D + 4 * d4;
+        dst[0] = from_float<T>(acc.x * inv);
+        dst[1] = from_float<T>(acc.y * inv);
+        dst[2] = from_float<T>(acc.z * inv);
+        dst[3] = from_float<T>(acc.w * inv);
+    }
+    if (threadIdx.x == 0) counters[b * p.kv_heads + h] = 0;  // at rest again for the next launch
+}
+
+template <typename T, int D>
+void launch_typed(const void* q, const void* k_cache, const void* v_cache, const int64_t* input_pos, void* out,
+                  float* workspace, int batch, int splits, const AttnParams& base, cudaStream_t stream) {
+    constexpr int kStageBytes = 2 * kRows * D * (int)sizeof(T);
+    int device = 0, max_smem = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    AttnParams p = base;
+    p.stages = std::max(2, std::min({kWarpRingBytes / kStageBytes, kMaxStages, max_smem / (kWarps * kStageBytes)}));
+    const int smem = kWarps * p.stages * kStageBytes;
+    const auto kernel = decode_attention_kernel<T, D>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<dim3(splits, p.kv_heads, batch), kThreads, smem, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), input_pos,
+        static_cast<T*>(out), workspace, p);
+}
+
+template <typename T>
+void launch_dim(int64_t head_dim, const void* q, const void* k_cache, const void* v_cache, const int64_t* input_pos,
+                void* out, float* workspace, int batch, int splits, const AttnParams& p, cudaStream_t stream) {
+    if (head_dim == 64)
+        launch_typed<T, 64>(q, k_cache, v_cache, input_pos, out, workspace, batch, splits, p, stream);
+    else
+        launch_typed<T, 128>(q, k_cache, v_cache, input_pos, out, workspace, batch, splits, p, stream);
+}
+
+}  // namespace
+
+void launch_decode_attention(const void* q, int64_t q_batch_stride, int64_t q_head_stride, const void* k_cache,
+                             const void* v_cache, const int64_t* input_pos, float scale, void* out, float* workspace,
+                             int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                             int64_t max_seq_len, int splits, DType dtype, cudaStream_t stream) {
+    if (batch == 0) return;
+    const AttnParams p{q_batch_stride, q_head_stride, max_seq_len, (int)q_heads, (int)kv_heads,
+                       (int)(q_heads / kv_heads), 0, scale * kLog2e};
+    if (dtype == DType::kBFloat16)
+        launch_dim<__nv_bfloat16>(head_dim, q, k_cache, v_cache, input_pos, out, workspace, (int)batch, splits, p,
+                                  stream);
+    else
+        launch_dim<half>(head_dim, q, k_cache, v_cache, input_pos, out, workspace, (int)batch, splits, p, stream);
+}
+
+}  // namespace minfer

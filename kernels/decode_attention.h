@@ -1,0 +1,32 @@
+// Split-K flash-decoding over the static KV cache, with grouped-query attention.
+#pragma once
+#include "launch.h"
+
+namespace minfer {
+
+// Positions one warp takes per pipeline step, and steps per block round (one per warp).
+constexpr int kDecodeAttnStepRows = 16;
+constexpr int kDecodeAttnWarps = 4;
+// Largest number of splits, and of query heads per KV head, the kernel handles.
+constexpr int kDecodeAttnMaxSplits = 256;
+constexpr int kDecodeAttnMaxGroup = 16;
+
+// Floats the workspace needs: per-(batch, KV head) arrival counters (int32 bits, zero at rest),
+// padded to 4 floats, then per-split partial outputs [B, Hq, splits, D] and log-sum-exps [B, Hq, splits].
+inline int64_t decode_attention_workspace_floats(int64_t batch, int64_t q_heads, int64_t kv_heads,
+                                                 int64_t head_dim, int64_t splits) {
+    return (batch * kv_heads + 3) / 4 * 4 + batch * q_heads * splits * (head_dim + 1);
+}
+
+// out[b, hq, :] = softmax(q[b, hq, :] . K[b, hq / G, 0..L-1, :] * scale) V[b, hq / G, 0..L-1, :] with
+// L = input_pos[0] + 1 (read on the device, clamped to [1, max_seq_len]) and G = q_heads / kv_heads.
+// The grid is `splits` blocks per (batch, KV head); each block takes an equal share of the live
+// positions, so one captured launch stays valid as L grows. The last block of each KV head to
+// finish merges the partial results. k_cache/v_cache: [B, Hkv, max_seq_len, D]; q: [B, Hq, D] with
+// strides (q_batch_stride, q_head_stride, 1); out: contiguous [B, Hq, D]. float16/bfloat16, D 64 or 128.
+void launch_decode_attention(const void* q, int64_t q_batch_stride, int64_t q_head_stride, const void* k_cache,
+                             const void* v_cache, const int64_t* input_pos, float scale, void* out, float* workspace,
+                             int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                             int64_t max_seq_len, int splits, DType dtype, cudaStream_t stream);
+
+}  // namespace minfer

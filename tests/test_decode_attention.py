@@ -1,0 +1,148 @@
+"""Decode attention (split-K flash-decoding, GQA) against float64 SDPA: odd live lengths, every
+split count, strided q, CUDA-graph replay with the position advancing, and opcheck."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minfer import ops
+from minfer.errors import MinferError
+from tests.conftest import requires_cuda
+
+DTYPES = [torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # P is rounded to the dtype for the P V product
+# (B, Hq, Hkv, D, max_seq_len): Llama-3-8B, Llama-2-7B (MHA), odd group size 3 with D 64, group 16.
+SHAPES = [(1, 32, 8, 128, 4100), (1, 32, 32, 128, 2048), (2, 12, 4, 64, 600), (1, 16, 1, 64, 300)]
+LIVE = [1, 17, 1000, 4097]
+
+
+def attention64(q, k_cache, v_cache, live: int, scale: float) -> torch.Tensor:
+    k = k_cache[:, :, :live].double().cpu()
+    v = v_cache[:, :, :live].double().cpu()
+    out = F.scaled_dot_product_attention(q[:, :, None].double().cpu(), k, v, scale=scale, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def problem(batch, q_heads, kv_heads, head_dim, max_seq_len, live, dtype, device="cuda", q_scale=1.0):
+    """Random q and caches whose positions past `live` hold NaN, so reading them fails the test."""
+    q = (torch.randn(batch, q_heads, head_dim, device=device) * q_scale).to(dtype)
+    shape = (batch, kv_heads, max_seq_len, head_dim)
+    k_cache = torch.randn(shape, device=device).to(dtype)
+    v_cache = torch.randn(shape, device=device).to(dtype)
+    k_cache[:, :, live:] = float("nan")
+    v_cache[:, :, live:] = float("nan")
+    pos = torch.tensor([live - 1], device=device)
+    return q, k_cache, v_cache, pos
+
+
+def run_kernel(q, k_cache, v_cache, pos, scale, num_splits=None):
+    batch, q_heads, head_dim = q.shape
+    workspace = ops.decode_attention_workspace(batch, q_heads, k_cache.shape[1], head_dim, k_cache.shape[2],
+                                               q.device, num_splits=num_splits)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    ops.decode_attention(q, k_cache, v_cache, pos, scale, out=out, workspace=workspace)
+    return out, workspace
+
+
+def counters_at_rest(workspace: torch.Tensor, batch: int, kv_heads: int) -> bool:
+    counters = workspace[: ops._decode_attention_counter_floats(batch, kv_heads)].view(torch.int32)
+    return bool((counters == 0).all())
+
+
+def test_reference_matches_sdpa_and_ignores_dead_positions():
+    q, k_cache, v_cache, pos = problem(2, 6, 2, 16, 40, 23, torch.float32, device="cpu")
+    out = ops.decode_attention(q, k_cache, v_cache, pos, 0.25)
+    assert rel_error(out, attention64(q, k_cache, v_cache, 23, 0.25)) < 1e-6
+
+
+def test_workspace_of_the_wrong_size_is_refused():
+    workspace = torch.zeros(100)
+    with pytest.raises(MinferError, match="decode_attention_workspace"):
+        ops._decode_attention_workspace_splits(workspace, 1, 32, 8, 128)
+    with pytest.raises(MinferError, match="num_splits"):
+        ops.decode_attention_workspace(1, 32, 8, 128, 4096, "cpu", num_splits=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("live", LIVE)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_float64_sdpa(shape, live, dtype):
+    batch, q_heads, kv_heads, head_dim, max_seq_len = shape
+    live = min(live, max_seq_len)
+    q, k_cache, v_cache, pos = problem(batch, q_heads, kv_heads, head_dim, max_seq_len, live, dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out, workspace = run_kernel(q, k_cache, v_cache, pos, scale)
+    assert not out.isnan().any(), "some outputs were never written (or dead positions were read)"
+    assert rel_error(out, attention64(q, k_cache, v_cache, live, scale)) < TOLERANCE[dtype]
+    assert counters_at_rest(workspace, batch, kv_heads)
+
+
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 256])
+@pytest.mark.parametrize("live", [1, 100, 3001])
+def test_every_split_count(num_splits, live):
+    """More splits than live rounds leaves blocks idle; fewer makes long shares; sharp softmax."""
+    q, k_cache, v_cache, pos = problem(1, 8, 2, 128, 3001, live, torch.float16, q_scale=4.0)
+    out, workspace = run_kernel(q, k_cache, v_cache, pos, 0.125, num_splits=num_splits)
+    assert rel_error(out, attention64(q, k_cache, v_cache, live, 0.125)) < TOLERANCE[torch.float16]
+    assert counters_at_rest(workspace, 1, 2)
+
+
+@requires_cuda
+def test_strided_q_and_float32_reference_path():
+    batch, q_heads, kv_heads, head_dim, live = 2, 8, 4, 64, 333
+    _, k_cache, v_cache, pos = problem(batch, q_heads, kv_heads, head_dim, 400, live, torch.float16)
+    q = torch.randn(batch, 1, q_heads + 2 * kv_heads, head_dim, device="cuda").half()[:, 0, :q_heads]
+    out, _ = run_kernel(q, k_cache, v_cache, pos, 0.125)
+    assert rel_error(out, attention64(q, k_cache, v_cache, live, 0.125)) < TOLERANCE[torch.float16]
+    out32 = ops.decode_attention(q.float(), k_cache.float(), v_cache.float(), pos, 0.125)
+    assert rel_error(out32, attention64(q, k_cache, v_cache, live, 0.125)) < 1e-5
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_graph_replay_as_the_context_grows(dtype):
+    batch, q_heads, kv_heads, head_dim, max_seq_len = 1, 32, 8, 128, 5000
+    q, k_cache, v_cache, pos = problem(batch, q_heads, kv_heads, head_dim, max_seq_len, max_seq_len, dtype)
+    workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, max_seq_len, "cuda")
+    out = torch.empty_like(q)
+    pos.fill_(100)
+    ops.decode_attention(q, k_cache, v_cache, pos, 0.1, out=out, workspace=workspace)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.decode_attention(q, k_cache, v_cache, pos, 0.1, out=out, workspace=workspace)
+    for live in (1, 17, 1000, 4097, 5000):
+        pos.fill_(live - 1)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, attention64(q, k_cache, v_cache, live, 0.1)) < TOLERANCE[dtype]
+    assert counters_at_rest(workspace, batch, kv_heads)
+
+
+@requires_cuda
+def test_rejects_unsupported_head_dim():
+    q, k_cache, v_cache, pos = problem(1, 4, 2, 96, 64, 10, torch.float16)
+    workspace = ops.decode_attention_workspace(1, 4, 2, 96, 64, "cuda", num_splits=2)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        ops.decode_attention(q, k_cache, v_cache, pos, 0.1, workspace=workspace)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck(dtype):
+    q = torch.randn(2, 8, 128, device="cuda").to(dtype)
+    k_cache = torch.randn(2, 2, 700, 128, device="cuda").to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    pos = torch.tensor([650], device="cuda")
+    workspace = ops.decode_attention_workspace(2, 8, 2, 128, 700, "cuda", num_splits=5)
+    out = torch.empty_like(q)
+    torch.library.opcheck(torch.ops.minfer.decode_attention.default,
+                          (q, k_cache, v_cache, pos, 0.1, out, workspace, 5))
