@@ -67,7 +67,8 @@ def build_parser() -> Parser:
                             f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
     text = parser.add_argument_group("generation")
     text.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
-    text.add_argument("--chat", action="store_true", help="wrap the prompt in the Llama-2 chat template ([INST] ... [/INST])")
+    text.add_argument("--chat", action="store_true",
+                      help="wrap the prompt in the Llama-2 chat template ([INST] ... [/INST])")
     text.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: %(default)s")
     text.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     text.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
@@ -111,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
         what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
         note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "
              f"(it exercises the whole pipeline); {REAL_MODEL_HINT}.")
+        if config.vocab_size > tokenizer.vocab_size:
+            note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
+                 f"beyond it print as ⁇.")
     model = load_model(resolved, dtype, device, seed=args.seed)
     if formats.format_class(args.sparse) is not formats.DenseWeight:
         formats.convert(model, args.sparse)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from .config import ALIASES, KNOWN_CONFIGS, ModelConfig
@@ -25,8 +26,7 @@ from .tokenizer import bundled_tokenizer_path
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-CONFIG_PATTERNS = ["config.json", "generation_config.json", "tokenizer.model", "tokenizer.json",
-                   "tokenizer_config.json", "special_tokens_map.json"]
+CONFIG_PATTERNS = ["config.json", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"]
 WEIGHT_PATTERNS = ["*.safetensors", INDEX_FILE]
 INIT_STD = 0.02  # HF's initializer_range for Llama
 # Buffers some older checkpoints carry; minfer recomputes them.
@@ -95,8 +95,12 @@ def download(repo_id: str, with_weights: bool) -> Path:
     """Fetch config and tokenizer (and the safetensors weights) of an HF repo into the HF cache,
     with a progress bar. HF_TOKEN authorizes gated repos such as meta-llama's."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
 
     patterns = CONFIG_PATTERNS + (WEIGHT_PATTERNS if with_weights else [])
     try:
@@ -105,7 +109,8 @@ def download(repo_id: str, with_weights: bool) -> Path:
         raise CheckpointError(f"{repo_id} is gated: accept its license on https://huggingface.co/{repo_id}, then "
                               "set HF_TOKEN to an access token (or pass a local checkpoint folder)") from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo_id} does not exist on the Hugging Face Hub (a private repo needs HF_TOKEN)") from None
+        raise CheckpointError(f"{repo_id} does not exist on the Hugging Face Hub "
+                              "(a private repo needs HF_TOKEN)") from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         raise CheckpointError(f"cannot download {repo_id}: no network (or HF_HUB_OFFLINE is set) and it is not in the "
                               "local HF cache; pass a local checkpoint folder, or --weights random for its "
@@ -129,12 +134,10 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return files
     single = folder / SINGLE_FILE
     if single.is_file():
-        from safetensors import safe_open
-
-        with _open(single, safe_open) as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
-    hint = " (only pickle .bin files, which minfer never loads)" if any(folder.glob("*.bin")) else ""
-    raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}; minfer loads safetensors only "
+                          "(never pickle .bin files)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,7 +150,8 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, .
 
     q/k/v fill the rows of one qkv_proj matrix and gate/up the rows of one gate_up_proj matrix.
     """
-    h, q, kv, inter, vocab = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size, config.vocab_size
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    inter, vocab = config.intermediate_size, config.vocab_size
     layout = {
         "model.embed_tokens.weight": ("embed_tokens.weight", 0, (vocab, h)),
         "model.norm.weight": ("norm.weight", 0, (h,)),
@@ -204,8 +208,6 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
     unexpected, every shape right. Then copies tensor by tensor from the memory-mapped files (cast
     to `dtype`) into the weights preallocated on `device`.
     """
-    from safetensors import safe_open
-
     folder = Path(path)
     files = weight_files(folder)
     layout = hf_tensor_map(model.config)
@@ -216,7 +218,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
     _refuse_difference(folder, "has unexpected", sorted(present - set(layout)))
 
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(_open(file, safe_open)) for file in sorted({files[n] for n in layout})}
+        handles = {file: stack.enter_context(_open(file)) for file in sorted({files[n] for n in layout})}
         for name, (_, _, shape) in layout.items():
             stored = tuple(handles[files[name]].get_slice(name).get_shape())
             if stored != shape:
@@ -298,7 +300,7 @@ def save_hf(model_or_state: nn.Module | dict[str, torch.Tensor], path: str | Pat
     return folder
 
 
-def _open(file: Path, safe_open):
+def _open(file: Path):
     """safe_open, with truncated or corrupt files reported as a CheckpointError naming the file."""
     try:
         return safe_open(str(file), framework="pt", device="cpu")

@@ -61,7 +61,8 @@ def estimate_memory(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, b
     per_token = (4 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize + config.vocab_size * 4
     return MemoryEstimate(
         weights=config.weight_bytes(dtype),
-        kv_cache=kv_cache_bytes(config.num_layers, batch_size, config.num_kv_heads, max_seq_len, config.head_dim, dtype),
+        kv_cache=kv_cache_bytes(config.num_layers, batch_size, config.num_kv_heads, max_seq_len, config.head_dim,
+                                dtype),
         activations=batch_size * max_seq_len * per_token,
     )
 

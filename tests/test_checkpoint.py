@@ -128,7 +128,7 @@ def test_refuses_folders_without_safetensors(tmp_path):
     config = tiny_config()
     (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(CheckpointError, match="never loads"):
+    with pytest.raises(CheckpointError, match="never pickle"):
         resolve(str(tmp_path), "hf")
 
 

@@ -45,7 +45,8 @@ def test_known_architecture_details():
     llama2_70b = ModelConfig.from_hf(KNOWN_CONFIGS["llama2-70b"])
     assert (llama2_70b.num_heads, llama2_70b.num_kv_heads, llama2_70b.head_dim) == (64, 8, 128)
     llama3 = ModelConfig.from_hf(KNOWN_CONFIGS["llama3-8b"])
-    assert (llama3.rope_theta, llama3.vocab_size, llama3.bos_token_id, llama3.rope_scaling) == (500000.0, 128256, 128000, None)
+    assert (llama3.rope_theta, llama3.vocab_size, llama3.bos_token_id) == (500000.0, 128256, 128000)
+    assert llama3.rope_scaling is None
     assert ModelConfig.from_hf(KNOWN_CONFIGS["llama3.1-8b"]).rope_scaling == LLAMA31_SCALING
     assert KNOWN_CONFIGS["llama2-7b-chat"] == KNOWN_CONFIGS["llama2-7b"]
 
