@@ -106,7 +106,7 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 }
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
-                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem) {
+                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
@@ -126,6 +126,7 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.steps = (int)steps;
     tuning.warps_per_block = (int)warps_per_block;
     tuning.x_in_smem = (int)x_in_smem;
+    tuning.pipeline = (int)pipeline;
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
                               x.data_ptr(), out.data_ptr(), rows, cols, tokens, dtype_of(values), tuning,
                               current_stream());
@@ -309,7 +310,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out, str kernel=\"auto\") -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps=0, int warps_per_block=0, int x_in_smem=-1) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps=0, int warps_per_block=0, int x_in_smem=-1, int pipeline=1) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

@@ -34,6 +34,35 @@ __device__ __forceinline__ uint32_t load_stream_4B(const uint32_t* ptr) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90+): the weights and row_ptr never depend on the previous
+// kernel, so they are requested before waiting for it; x is read only after the wait, with
+// coherent loads (ptxas may hoist read-only `.nc` loads above griddepcontrol.wait).
+__device__ __forceinline__ void allow_dependents_to_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ uint32_t load_coherent_u16(const uint16_t* ptr) {
+    unsigned short r;
+    asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(ptr) : "memory");
+    return r;
+}
+
+template <typename T> __device__ __forceinline__ float bits_to_float(uint32_t bits);
+template <> __device__ __forceinline__ float bits_to_float<half>(uint32_t bits) {
+    return __half2float(__ushort_as_half((unsigned short)bits));
+}
+template <> __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(uint32_t bits) {
+    return __uint_as_float(bits << 16);
+}
+
 template <typename T> __device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
 template <> __device__ __forceinline__ float2 pair_to_float2<half>(uint32_t bits) {
     __half2 h;
@@ -127,6 +156,27 @@ __device__ __forceinline__ void decode_group(Group<STEPS>& g, int a, int s, int 
     }
 }
 
+// The reference kernel's schedule, kept as the benchmark's baseline: each group is loaded, then
+// decoded, with nothing in flight meanwhile.
+template <int STEPS, class Consumer>
+__device__ __forceinline__ void walk_rows_unpipelined(const uint4* __restrict__ values,
+                                                      const uint32_t* __restrict__ deltas,
+                                                      const int* __restrict__ row_ptr, int rows, int first_row,
+                                                      int stride, int lane, Consumer& consumer) {
+    consumer.stage();
+    for (int row = first_row; row < rows; row += stride) {
+        const int s = row_ptr[row], e = row_ptr[row + 1];
+        int carry = 0;
+        consumer.begin_row(row);
+        for (int a = s & ~(kChunk - 1); a < e; a += STEPS * kStep) {
+            Group<STEPS> g;
+            load_group(values, deltas, a, e, lane, g);
+            decode_group(g, a, s, e, carry, lane, consumer);
+        }
+        consumer.end_row(row);
+    }
+}
+
 // Walks rows first_row, first_row + stride, ... with one group of loads always in flight.
 // consumer.stage() runs once after the first loads are issued (all threads of the block).
 template <int STEPS, class Consumer>
@@ -186,31 +236,40 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
 }
 
 // y[t, row] for TT tokens. X_IN_SMEM: x staged in shared memory (fp32 [cols] when TT == 1, else
-// [cols][TT] in T); otherwise gathered from global memory (TT == 1 only).
-template <typename T, int TT, bool X_IN_SMEM>
+// [cols][TT] in T); otherwise gathered from global memory (TT == 1 only). PDL: launched as a
+// programmatic dependent, so x is read only after griddepcontrol.wait and never with `.nc` loads.
+template <typename T, int TT, bool X_IN_SMEM, bool PDL>
 struct SpmvConsumer {
     static_assert(X_IN_SMEM || TT == 1, "the global-x path handles one token per pass");
-    const T* __restrict__ x;  // this pass's first token
+    const uint16_t* x;  // this pass's first token
     T* __restrict__ out;      // this pass's first token
     void* smem;
     int rows, cols, tokens;   // tokens left from this pass's first one
     int lane;
     float acc[TT];
 
+    __device__ __forceinline__ uint32_t load_x(int64_t i) const {
+        if constexpr (PDL) return load_coherent_u16(x + i);
+        else return __ldg(x + i);
+    }
+
     __device__ __forceinline__ void stage() {
+        if constexpr (PDL) {
+            allow_dependents_to_launch();
+            wait_for_previous_kernel();
+        }
         if constexpr (X_IN_SMEM) {
             if constexpr (TT == 1) {
                 float* xs = static_cast<float*>(smem);
-                for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = to_float(x[i]);
+                for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_x(i));
             } else {
                 uint32_t* xs = static_cast<uint32_t*>(smem);
-                const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
                 for (int i = threadIdx.x; i < cols; i += blockDim.x) {
                     uint32_t w[TT / 2];
 #pragma unroll
                     for (int p = 0; p < TT / 2; ++p) {
-                        const uint32_t lo = 2 * p < tokens ? xb[(int64_t)(2 * p) * cols + i] : 0u;
-                        const uint32_t hi = 2 * p + 1 < tokens ? xb[(int64_t)(2 * p + 1) * cols + i] : 0u;
+                        const uint32_t lo = 2 * p < tokens ? load_x((int64_t)(2 * p) * cols + i) : 0u;
+                        const uint32_t hi = 2 * p + 1 < tokens ? load_x((int64_t)(2 * p + 1) * cols + i) : 0u;
                         w[p] = lo | (hi << 16);
                     }
                     uint32_t* dst = xs + (int64_t)i * (TT / 2);
@@ -242,7 +301,7 @@ struct SpmvConsumer {
             const int col = base + j + nib.prefix(j);
             const float w = value_at<T>(v, j);
             if constexpr (!X_IN_SMEM) {
-                acc[0] = fmaf(w, to_float(x[col]), acc[0]);
+                acc[0] = fmaf(w, bits_to_float<T>(load_x(col)), acc[0]);
             } else if constexpr (TT == 1) {
                 acc[0] = fmaf(w, static_cast<const float*>(smem)[col], acc[0]);
             } else {
@@ -285,20 +344,23 @@ struct SpmvConsumer {
     }
 };
 
-template <typename T, int TT, int STEPS, bool X_IN_SMEM>
+template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __restrict__ values,
                                                                  const uint32_t* __restrict__ deltas,
                                                                  const int* __restrict__ row_ptr,
-                                                                 const T* __restrict__ x, T* __restrict__ out,
+                                                                 const uint16_t* x, T* __restrict__ out,
                                                                  int rows, int cols, int tokens) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
     const int token0 = blockIdx.y * TT;
-    SpmvConsumer<T, TT, X_IN_SMEM> consumer{x + (int64_t)token0 * cols, out + (int64_t)token0 * rows, smem,
+    SpmvConsumer<T, TT, X_IN_SMEM, PIPELINE> consumer{x + (int64_t)token0 * cols, out + (int64_t)token0 * rows, smem,
                                             rows, cols, tokens - token0, lane, {}};
-    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize,
-                     gridDim.x * warps, lane, consumer);
+    const int first_row = blockIdx.x * warps + threadIdx.x / kWarpSize;
+    if constexpr (PIPELINE)
+        walk_rows<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
+    else
+        walk_rows_unpipelined<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
 }
 
 // Dense rows: each warp zero-fills its row, then scatters the stored entries (16-bit copies).
@@ -398,6 +460,13 @@ int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
     return it->second;
 }
 
+bool device_supports_pdl() {
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major >= 9;
+}
+
 template <typename Kernel>
 dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_bytes, int passes) {
     const int wanted = ceil_div(rows, warps_per_block);
@@ -406,15 +475,23 @@ dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_byte
     return dim3(wanted < resident ? wanted : resident, passes);
 }
 
-template <typename T, int TT, int STEPS, bool X_IN_SMEM>
+template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
                        int rows, int cols, int tokens, int warps_per_block, cudaStream_t stream) {
-    auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM>;
+    auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM, PIPELINE>;
     const int smem = !X_IN_SMEM ? 0 : TT == 1 ? cols * (int)sizeof(float) : cols * TT * (int)sizeof(T);
-    const dim3 grid = persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT));
-    kernel<<<grid, warps_per_block * kWarpSize, smem, stream>>>(
-        static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
-        static_cast<const T*>(x), static_cast<T*>(out), rows, cols, tokens);
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT));
+    config.blockDim = dim3(warps_per_block * kWarpSize);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = PIPELINE && device_supports_pdl() ? 1 : 0;
+    cudaLaunchKernelEx(&config, kernel, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
+                       row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, tokens);
 }
 
 template <typename T, int STEPS>
@@ -448,6 +525,9 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block
                       : per_pass > 1             ? kMaxThreads / kWarpSize
                                                  : kDefaultWarpsPerBlock;
+    if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
+        return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens, warps,
+                                                        stream);
     if (steps == 1)
         launch_spmv_steps<T, 1>(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
     else

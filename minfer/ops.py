@@ -305,7 +305,7 @@ def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: to
 
 
 @fake_impl("minfer::macko_spmv")
-def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps=0, warps_per_block=0, x_in_smem=-1):
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps=0, warps_per_block=0, x_in_smem=-1, pipeline=1):
     return None
 
 
@@ -316,17 +316,18 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
 
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
                out: torch.Tensor | None = None, *, steps: int = 0, warps_per_block: int = 0,
-               x_in_smem: int = -1) -> torch.Tensor:
+               x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
     """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
     passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
-    knobs for benchmarks; the defaults (0, 0, -1) pick the tuned configuration.
+    knobs for benchmarks, the defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs
+    the reference kernel's schedule (one step loaded then decoded, x gathered from global memory).
     """
     if out is None:
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
     if use_kernels(x):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline)
     else:
         out.copy_(macko_spmv_reference(values, deltas, row_ptr, x))
     return out

@@ -1,0 +1,168 @@
+"""MACKO SpMV/SpMM and decompression kernels vs float64 / the exact reference (GPU only)."""
+
+import pytest
+import torch
+
+from minfer import ops
+from minfer.formats.macko import MackoWeight, compress
+from tests.conftest import requires_cuda
+
+pytestmark = requires_cuda
+
+DENSITIES = [0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
+TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1) for s in (1, 2) for w in (4, 8, 16) for m in (0, 1)]
+TUNINGS.append(dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0))  # the reference kernel's schedule
+
+
+def sparse_matrix(rows, cols, density, dtype=torch.float16, seed=0, uneven=False):
+    """Random matrix with Bernoulli(density) support; `uneven` gives every row its own density."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    matrix = torch.randn(rows, cols, device="cuda", generator=generator)
+    keep = density
+    if uneven:
+        keep = torch.rand(rows, 1, device="cuda", generator=generator) * density * 2
+    matrix[torch.rand(rows, cols, device="cuda", generator=generator) >= keep] = 0
+    return matrix.to(dtype)
+
+
+def relative_error(out, matrix, x):
+    ref = x.double() @ matrix.double().T
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run_spmv(matrix, tokens, **tuning):
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(tokens, matrix.shape[1], device="cuda").to(matrix.dtype)
+    out = torch.full((tokens, matrix.shape[0]), float("nan"), device="cuda", dtype=matrix.dtype)
+    ops.macko_spmv(values, deltas, row_ptr, x, out=out, **tuning)
+    return out, x
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("rows, cols", [(1, 7), (37, 1000), (300, 4097), (64, 11008)])
+def test_spmv_one_token(rows, cols, density):
+    matrix = sparse_matrix(rows, cols, density, seed=rows + cols)
+    out, x = run_spmv(matrix, 1)
+    if density == 0.0:
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert relative_error(out, matrix, x) < 2e-3
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5, 8, 11, 16, 17, 33])
+@pytest.mark.parametrize("density", [0.05, 0.5, 1.0])
+def test_spmm_tokens(tokens, density):
+    matrix = sparse_matrix(129, 2053, density, seed=tokens)
+    out, x = run_spmv(matrix, tokens)
+    assert relative_error(out, matrix, x) < 2e-3
+
+
+@pytest.mark.parametrize("cols, tokens", [(9000, 16), (60000, 1), (60000, 4)])
+def test_spmm_wide_rows_take_fewer_tokens_per_pass(cols, tokens):
+    # 9000 columns: 8 of the 16 tokens per pass; 60000: x goes past shared memory, gathered from global
+    matrix = sparse_matrix(5, cols, 0.3, seed=tokens)
+    out, x = run_spmv(matrix, tokens)
+    assert relative_error(out, matrix, x) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_bf16_and_fp16(dtype, tokens):
+    matrix = sparse_matrix(77, 515, 0.4, dtype=dtype, seed=5)
+    out, x = run_spmv(matrix, tokens)
+    assert relative_error(out, matrix, x) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: "s{steps}w{warps_per_block}m{x_in_smem}p{pipeline}".format(**t))
+def test_every_launch_configuration(tuning):
+    matrix = sparse_matrix(517, 1531, 0.35, seed=11, uneven=True)
+    matrix[100:140] = 0  # a run of empty rows
+    matrix[200, -1] = 1.5  # a row with only its last column set
+    matrix[200, :-1] = 0
+    for tokens in (1, 6):
+        out, x = run_spmv(matrix, tokens, **tuning)
+        assert relative_error(out, matrix, x) < 2e-3
+
+
+def test_long_rows_many_groups():
+    matrix = sparse_matrix(3, 50000, 1.0, seed=2)  # 50000 entries per row: ~100 pipeline groups
+    out, x = run_spmv(matrix, 1)
+    assert relative_error(out, matrix, x) < 2e-3
+
+
+def test_all_zero_matrix_and_empty_arrays():
+    matrix = torch.zeros(10, 40, dtype=torch.float16, device="cuda")
+    out, _ = run_spmv(matrix, 3)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(1, 1), (33, 17), (257, 1000), (64, 4096)])
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.6, 1.0])
+def test_decompress_exact(rows, cols, density, dtype):
+    matrix = sparse_matrix(rows, cols, density, dtype=dtype, seed=rows * cols, uneven=True)
+    values, deltas, row_ptr = compress(matrix)
+    out = torch.full_like(matrix, float("nan"))
+    ops.macko_decompress(values, deltas, row_ptr, out=out)
+    assert torch.equal(out, matrix)
+    assert torch.equal(out, ops.macko_decompress_reference(values, deltas, row_ptr, cols))
+
+
+def test_gpu_compression_matches_cpu():
+    matrix = sparse_matrix(300, 999, 0.2, seed=9, uneven=True)
+    for gpu, cpu in zip(compress(matrix), compress(matrix.cpu())):
+        assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_opcheck():
+    matrix = sparse_matrix(40, 300, 0.3, seed=4)
+    values, deltas, row_ptr = compress(matrix)
+    for tokens in (1, 5):
+        x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
+        out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
+        torch.library.opcheck(torch.ops.minfer.macko_spmv, (values, deltas, row_ptr, x, out, 0, 0, -1, 1))
+    dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
+
+
+def test_cuda_graph_replay_uses_new_inputs():
+    matrix = sparse_matrix(300, 777, 0.5, seed=6)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(2, 777, device="cuda", dtype=torch.float16)
+    out = torch.empty(2, 300, device="cuda", dtype=torch.float16)
+    ops.macko_spmv(values, deltas, row_ptr, x, out=out)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.macko_spmv(values, deltas, row_ptr, x, out=out)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, matrix, x) < 2e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 40])
+def test_weight_forward_decode_and_prefill_paths(tokens):
+    matrix = sparse_matrix(96, 520, 0.3, seed=tokens)
+    weight = MackoWeight.from_dense(matrix)
+    x = torch.randn(1, tokens, 520, device="cuda", dtype=torch.float16)
+    out = weight(x)
+    assert out.shape == (1, tokens, 96)
+    assert relative_error(out.view(tokens, 96), matrix, x.view(tokens, 520)) < 2e-3
+    assert torch.equal(weight.to_dense(), matrix)
+
+
+def test_binding_rejects_bad_inputs():
+    matrix = sparse_matrix(8, 64, 0.5)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(1, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), torch.empty(1, 8, device="cuda"), 0, 0, -1, 1)
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, torch.empty(1, 9, device="cuda",
+                                                                           dtype=torch.float16), 0, 0, -1, 1)
+    with pytest.raises(RuntimeError, match="aligned"):
+        misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, torch.empty(1, 8, device="cuda",
+                                                                                dtype=torch.float16), 0, 0, -1, 1)
