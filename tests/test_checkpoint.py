@@ -14,6 +14,7 @@ from minfer.config import KNOWN_CONFIGS, ModelConfig
 from minfer.errors import CheckpointError, UnknownModelError
 from minfer.model import Transformer
 from minfer.tokenizer import bundled_tokenizer_path
+from tests.conftest import requires_cuda
 
 
 def tiny_config(tied=False, kv_heads=2, vocab=97, rope_scaling=None) -> ModelConfig:
@@ -195,3 +196,64 @@ def test_demo_checkpoint_is_reproducible(tmp_path, monkeypatch):
     assert resolved.is_random and resolved.path == second
     assert resolved.config == demo.DEMO_CONFIG
     assert (second / "model.safetensors").stat().st_size < 8 * 2**20
+
+
+def test_download_fetches_only_config_tokenizer_and_safetensors(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    config = tiny_config()
+    write_checkpoint(tmp_path, config, random_state(config))
+    calls = []
+
+    def fake_snapshot_download(repo_id, allow_patterns, token):
+        calls.append((repo_id, allow_patterns, token))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    real = resolve("tinyllama-1.1b", "hf")
+    assert (real.path, real.is_random, real.config) == (tmp_path, False, config)
+    random = resolve("someone/tiny-llama", "random")
+    assert random.is_random and random.path is None and random.config == config
+    assert calls == [
+        ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", checkpoint.CONFIG_PATTERNS + checkpoint.WEIGHT_PATTERNS, "hf_secret"),
+        ("someone/tiny-llama", checkpoint.CONFIG_PATTERNS, "hf_secret"),
+    ]
+    assert not any("*.bin" in p or "*.pt" in p for _, patterns, _ in calls for p in patterns)
+
+
+@pytest.mark.parametrize("error, message", [
+    ("GatedRepoError", "is gated: accept its license .* set HF_TOKEN"),
+    ("RepositoryNotFoundError", "does not exist on the Hugging Face Hub"),
+    ("LocalEntryNotFoundError", "cannot download meta-llama/Llama-2-7b-hf: no network"),
+    ("OfflineModeIsEnabled", "cannot download meta-llama/Llama-2-7b-hf: no network"),
+    (TimeoutError, "downloading meta-llama/Llama-2-7b-hf failed: TimeoutError"),
+])
+def test_download_failures_are_clear(monkeypatch, error, message):
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    cls = getattr(huggingface_hub.errors, error) if isinstance(error, str) else error
+
+    def failing_snapshot_download(repo_id, **kwargs):
+        exception = cls.__new__(cls)  # HTTP errors want a live response object; the message is all we need
+        Exception.__init__(exception, "simulated")
+        raise exception
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", failing_snapshot_download)
+    with pytest.raises(CheckpointError, match=message):
+        resolve("llama2-7b", "hf")
+
+
+@requires_cuda
+def test_loads_straight_to_the_gpu(tmp_path):
+    config = tiny_config(tied=True)
+    state = random_state(config)
+    write_checkpoint(tmp_path, config, state, shard_size=40_000)
+    model = load_weights(Transformer(config), tmp_path, torch.float16, "cuda")
+    for name, tensor in hf_state_dict(model).items():
+        assert tensor.is_cuda and tensor.dtype == torch.float16
+        assert torch.equal(tensor.cpu(), state[name].half()), name
+    first = random_init(Transformer(config), seed=5, dtype=torch.bfloat16, device="cuda").checkpoint_tensors()
+    again = random_init(Transformer(config), seed=5, dtype=torch.bfloat16, device="cuda").checkpoint_tensors()
+    assert all(t.is_cuda and torch.equal(t, again[n]) for n, t in first.items())
