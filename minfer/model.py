@@ -67,9 +67,10 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
               kv_len: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B,T,Hq,D] attends to cache positions [0, kv_len), with the additive mask [T, kv_len]
-    (0 where visible, -inf elsewhere, in q's dtype). mask None means plain causal attention over a prompt that fills positions 0..T-1 (T == kv_len).
-    Query head h reads KV head h // (Hq / Hkv), as HF's repeat_kv does. Returns [B,T,Hq,D].
+    """q [B,T,Hq,D] attends to cache positions [0, kv_len) under the additive mask [T, kv_len]
+    (0 where visible, -inf elsewhere, in q's dtype). mask None means plain causal attention over a
+    prompt that fills positions 0..T-1 (T == kv_len). Query head h reads KV head h // (Hq / Hkv),
+    as HF's repeat_kv does. Returns [B,T,Hq,D].
     """
     k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
     out = F.scaled_dot_product_attention(
