@@ -30,14 +30,13 @@ from minfer import formats  # noqa: E402
 from minfer.checkpoint import load_model, resolve  # noqa: E402
 from minfer.config import ALIASES  # noqa: E402
 from minfer.demo import DEMO_NAME  # noqa: E402
-from minfer.errors import ContextLengthError, MinferError  # noqa: E402
+from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator  # noqa: E402
-from minfer.runtime import DTYPES, check_memory, pick_device, pick_dtype  # noqa: E402
+from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
 from minfer.sampling import SamplingParams  # noqa: E402
 from minfer.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
 
 DEFAULT_PROMPT = "The harbour town wakes before the sun does."
-DEFAULT_MAX_SEQ_LEN = 4096  # cap on the KV cache when --max-seq-len is not given
 REAL_MODEL_HINT = ("for real text run a trained model, e.g. --model tinyllama-1.1b (about 2.2 GB, no login), "
                    "--model llama2-7b-chat --chat with HF_TOKEN set, or --model /path/to/hf-checkpoint")
 
@@ -94,13 +93,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer(resolved.tokenizer_path)
     prompt_ids = tokenizer.chat_prompt(args.prompt) if args.chat else tokenizer.encode(args.prompt)
 
-    limit = config.max_position_embeddings
-    max_seq_len = args.max_seq_len or min(limit, DEFAULT_MAX_SEQ_LEN)
-    if not 1 < max_seq_len <= limit:
-        raise ContextLengthError(f"--max-seq-len must be in [2, {limit}] for this model, got {max_seq_len}")
-    if len(prompt_ids) >= max_seq_len:
-        raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens but the context holds {max_seq_len}; "
-                                 f"shorten it or raise --max-seq-len (this model allows up to {limit})")
+    max_seq_len = context_length(config, args.max_seq_len, len(prompt_ids))
     check_memory(config, dtype, device, max_seq_len)
 
     dtype_name = str(dtype).removeprefix("torch.")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .errors import MinferError
 from .tokenizer import BUNDLED_TOKENIZER
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "data" / "corpus"
@@ -107,7 +108,11 @@ def demo_checkpoint_dir() -> Path:
                         sort_keys=True)
     folder = cache_root() / f"demo-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
     if not (folder / "model.safetensors").is_file():
-        _build_demo_checkpoint(folder)
+        try:
+            _build_demo_checkpoint(folder)
+        except OSError as e:
+            raise MinferError(f"cannot write the demo checkpoint under {folder.parent} ({e.strerror}); "
+                              "set MINFER_CACHE_DIR to a writable folder") from None
     return folder
 
 

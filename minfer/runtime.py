@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .errors import DeviceError, MinferError
+from .errors import ContextLengthError, DeviceError, MinferError
 from .kv_cache import kv_cache_bytes
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 RESERVE_BYTES = 512 * 2**20  # CUDA context, library workspaces, allocator slack
+DEFAULT_MAX_SEQ_LEN = 4096  # cap on the KV cache when no context length is asked for
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -42,6 +43,19 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise MinferError(f"dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def context_length(config: ModelConfig, requested: int | None, prompt_tokens: int) -> int:
+    """KV cache positions: `requested`, or the model's limit capped at DEFAULT_MAX_SEQ_LEN; it must
+    leave room for at least one generated token after the prompt."""
+    limit = config.max_position_embeddings
+    max_seq_len = requested or min(limit, DEFAULT_MAX_SEQ_LEN)
+    if not 1 < max_seq_len <= limit:
+        raise ContextLengthError(f"--max-seq-len must be in [2, {limit}] for this model, got {max_seq_len}")
+    if prompt_tokens >= max_seq_len:
+        raise ContextLengthError(f"the prompt has {prompt_tokens} tokens but the context holds {max_seq_len}; "
+                                 f"shorten it or raise --max-seq-len (this model allows up to {limit})")
+    return max_seq_len
 
 
 @dataclass(frozen=True)

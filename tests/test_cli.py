@@ -133,6 +133,12 @@ def test_missing_files_in_a_local_checkpoint(tmp_path, local_checkpoint):
     assert_input_error(cli("--model", str(broken), "--device", "cpu"), "model-00002-", "is missing")
 
 
+def test_unwritable_cache_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_input_error(cli("--device", "cpu", env={"MINFER_CACHE_DIR": str(blocker / "cache")}), "MINFER_CACHE_DIR")
+
+
 def test_cuda_without_a_gpu():
     assert_input_error(cli("--device", "cuda", env=NO_GPU), "needs a CUDA GPU", "--device cpu")
 
@@ -154,3 +160,31 @@ def test_more_memory_than_the_gpu_has():
         pytest.skip("this GPU has the memory for a float32 Llama-2-70B")
     result = cli("--model", "llama2-70b", "--weights", "random", "--device", "cuda", "--dtype", "float32")
     assert_input_error(result, "needs about", "GPU memory is free")
+
+
+def test_memory_estimate_and_check(monkeypatch):
+    from minfer import runtime
+    from minfer.errors import DeviceError
+
+    config = ModelConfig.from_hf(KNOWN_CONFIGS["llama2-7b"])
+    need = estimate_memory(config, torch.float16, 4096)
+    assert need.weights == 2 * 6_738_415_616
+    assert need.kv_cache == 2 * 32 * 32 * 128 * 4096 * 2  # K and V, 32 layers, 32 heads x 128, 4096 positions
+    monkeypatch.setattr(runtime, "available_bytes", lambda device: need.total - 1)
+    with pytest.raises(DeviceError, match=r"needs about 17\.\d GB \(13\.5 GB of float16 weights, 2\.1 GB of KV"):
+        runtime.check_memory(config, torch.float16, torch.device("cpu"), 4096)
+    monkeypatch.setattr(runtime, "available_bytes", lambda device: need.total)
+    assert runtime.check_memory(config, torch.float16, torch.device("cpu"), 4096) == need
+
+
+def test_device_dtype_and_context_defaults():
+    from minfer import runtime
+
+    cpu = torch.device("cpu")
+    assert runtime.pick_dtype(None, cpu) == torch.float32 and runtime.pick_dtype("bfloat16", cpu) == torch.bfloat16
+    assert runtime.pick_device("cpu") == cpu
+    assert runtime.pick_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    llama2 = ModelConfig.from_hf(KNOWN_CONFIGS["llama2-7b"])
+    assert runtime.context_length(llama2, None, 10) == 4096
+    assert runtime.context_length(ModelConfig.from_hf(KNOWN_CONFIGS["llama3.1-8b"]), None, 10) == 4096
+    assert runtime.context_length(llama2, 100, 99) == 100
