@@ -1,0 +1,70 @@
+"""MACKO SpMV/SpMM cases: Llama-2-7B projections pruned per row to a density, against cuBLAS dense.
+
+Bytes are the MACKO format's own (values 2P + deltas P/2 + row_ptr) plus x and y, so "% copy BW"
+says how close the kernel runs to the memory floor of the compressed matrix. The speedup is over
+F.linear on the dense matrix (cuBLAS): the time saved by storing the matrix sparse.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..formats.macko import compress
+from ..sparsity.prune import prune_magnitude_
+from .kernel_suite import KernelCase, register
+
+# (N, K): fused qkv, o, fused gate_up, down, lm_head of Llama-2-7B.
+LLAMA2_7B_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]
+DENSITIES = (0.1, 0.3, 0.5, 0.7, 0.9)
+TOKEN_COUNTS = (1, 8)
+
+
+def pruned_matrix(n: int, k: int, density: float, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A random [n, k] matrix on the GPU with the round(density * k) largest |w| of each row kept."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    weight = (torch.randn(n, k, device="cuda", generator=generator) / k**0.5).to(dtype)
+    return prune_magnitude_(weight, density)
+
+
+def macko_bytes(values: torch.Tensor, row_ptr: torch.Tensor, n: int, k: int, tokens: int) -> int:
+    """The fewest bytes one product moves: the compressed matrix once, x read and y written."""
+    size = values.element_size()
+    return values.numel() * size + values.numel() // 2 + row_ptr.numel() * 4 + size * tokens * (n + k)
+
+
+def rotated(tensors: tuple[torch.Tensor, ...], copies: int) -> list[tuple[torch.Tensor, ...]]:
+    """`copies` independent copies (so back-to-back calls read past L2); the first is the original."""
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies - 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def pruned_arrays(n: int, k: int, density: float, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], int]:
+    """MACKO arrays of `pruned_matrix` and its nonzero count, shared by the cases of every token count."""
+    dense = pruned_matrix(n, k, density, dtype)
+    return compress(dense), int(torch.count_nonzero(dense))
+
+
+def macko_case(n: int, k: int, density: float, tokens: int, dtype: torch.dtype) -> KernelCase:
+    arrays, nonzeros = pruned_arrays(n, k, density, dtype)
+
+    def build(copies):
+        macko = rotated(arrays, copies)
+        dense_copies = rotated((ops.macko_decompress(*arrays, cols=k),), copies)
+        x = torch.randn(tokens, k, device="cuda", dtype=dtype)
+        out = torch.empty(tokens, n, device="cuda", dtype=dtype)
+        return (lambda i: ops.macko_spmv(*macko[i], x, out=out)), (lambda i: F.linear(x, dense_copies[i][0]))
+
+    return KernelCase(op="macko", shape=f"{n}x{k} d{density} t{tokens}", dtype=dtype,
+                      bytes=macko_bytes(arrays[0], arrays[2], n, k, tokens),
+                      flops=2 * nonzeros * tokens, build=build, baseline="F.linear dense")
+
+
+def macko_cases(dtype: torch.dtype) -> list[KernelCase]:
+    return [macko_case(n, k, d, t, dtype) for t in TOKEN_COUNTS for d in DENSITIES for n, k in LLAMA2_7B_SHAPES]
+
+
+register("macko", macko_cases)

@@ -1,0 +1,219 @@
+"""The MACKO kernel study: SpMV against every baseline, the launch-configuration sweep, SpMM and
+decompression, on Llama-2-7B shapes pruned per row to densities 0.1-0.9.
+
+    python -m minfer.bench.macko_suite --json out/macko.json            # everything
+    python -m minfer.bench.macko_suite --sections spmv --densities 0.5  # one section, one density
+
+Graph-capturable ops run back to back in a CUDA graph over copies rotated past L2
+(`timing.time_graph`); torch CSR and the dense reference (decompress, then F.linear) sync or
+allocate, so they are timed eagerly, back to back between two events. GB/s counts the format's
+own bytes (MACKO: values 2P + deltas P/2 + row_ptr; plus x and y) against the copy rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from . import report
+from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
+from .timing import copy_bandwidth_gbs, rotation_count, time_graph
+
+SECTIONS = ("spmv", "sweep", "spmm", "decompress")
+DENSITIES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+SWEEP_DENSITIES = (0.1, 0.3, 0.5, 0.7)
+SWEEP = [dict(steps=s, warps_per_block=w, x_in_smem=m) for s in (1, 2) for w in (4, 8, 16) for m in (1, 0)]
+SPMM_TOKENS = (2, 4, 8, 16)
+SPMM_DENSITIES = (0.3, 0.5)
+REFERENCE_SCHEDULE = dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0)
+
+COLUMNS = {
+    "spmv": [report.Column(*c) for c in [
+        ("shape", "shape"), ("density", "d", "{:.1f}"), ("mb", "MACKO MB", "{:.1f}"),
+        ("minfer_ms", "minfer ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "% copy", "{:.1f}"),
+        ("ref_schedule_ms", "ref-sched ms", "{:.4f}"), ("vs_ref_schedule", "vs ref", "{:.2f}x"),
+        ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
+        ("gemv_ms", "minfer gemv ms", "{:.4f}"), ("csr_ms", "CSR ms", "{:.4f}"), ("vs_csr", "vs CSR", "{:.1f}x"),
+        ("reference_ms", "dense ref ms", "{:.3f}")]],
+    "sweep": [report.Column(*c) for c in [
+        ("shape", "shape"), ("density", "d", "{:.1f}"), ("config", "steps/warps/x-in-smem"),
+        ("minfer_ms", "ms", "{:.4f}"), ("pct_copy", "% copy", "{:.1f}")]],
+    "spmm": [report.Column(*c) for c in [
+        ("shape", "shape"), ("density", "d", "{:.1f}"), ("tokens", "T"), ("minfer_ms", "minfer ms", "{:.4f}"),
+        ("pct_copy", "% copy", "{:.1f}"), ("vs_spmv", "x SpMV time", "{:.2f}"),
+        ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x")]],
+    "decompress": [report.Column(*c) for c in [
+        ("shape", "shape"), ("density", "d", "{:.1f}"), ("minfer_ms", "ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"),
+        ("pct_copy", "% copy", "{:.1f}")]],
+}
+
+
+def time_eager(run: Callable[[int], None], copies: int, replays: int = 10) -> float:
+    """Median ms of one call of `run(i)`, the calls launched back to back outside any graph."""
+    for i in range(copies):
+        run(i)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(copies):
+            run(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return statistics.median(times)
+
+
+class Matrix:
+    """One pruned Llama matrix: its MACKO arrays and sizes, with rotated copies made on demand."""
+
+    def __init__(self, n: int, k: int, density: float, dtype: torch.dtype):
+        self.n, self.k, self.density, self.dtype = n, k, density, dtype
+        self.arrays, self.nonzeros = pruned_arrays(n, k, density, dtype)
+        self.shape = f"{n}x{k}"
+
+    def bytes(self, tokens: int) -> int:
+        return macko_bytes(self.arrays[0], self.arrays[2], self.n, self.k, tokens)
+
+    def dense(self) -> torch.Tensor:
+        return ops.macko_decompress(*self.arrays, cols=self.k)
+
+    def time_macko(self, tokens: int, replays: int, **knobs) -> float:
+        copies = rotation_count(self.bytes(tokens))
+        macko = rotated(self.arrays, copies)
+        x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
+        out = torch.empty(tokens, self.n, device="cuda", dtype=self.dtype)
+        return time_graph(lambda i: ops.macko_spmv(*macko[i], x, out=out, **knobs), copies, replays=replays)
+
+    def time_dense(self, tokens: int, replays: int, op: Callable) -> float:
+        weights = rotated((self.dense(),), rotation_count(2 * self.n * self.k))
+        x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
+        return time_graph(lambda i: op(x, weights[i][0]), len(weights), replays=replays)
+
+    def time_csr(self, replays: int) -> float:
+        dense = self.dense()
+        csr = dense.to_sparse_csr()
+        csr = torch.sparse_csr_tensor(csr.crow_indices().int(), csr.col_indices().int(), csr.values(), dense.shape)
+        del dense
+        csr_bytes = csr.values().numel() * (csr.values().element_size() + 4) + 4 * (self.n + 1)
+        copies = [csr] + [csr.clone() for _ in range(rotation_count(csr_bytes) - 1)]
+        x = torch.randn(self.k, 1, device="cuda", dtype=self.dtype)
+        return time_eager(lambda i: copies[i] @ x, len(copies), replays)
+
+    def time_reference(self, replays: int) -> float:
+        x = torch.randn(1, self.k, device="cuda", dtype=self.dtype)
+        return time_eager(lambda i: ops.macko_spmv_reference(*self.arrays, x), 1, replays)
+
+    def time_decompress(self, replays: int) -> float:
+        copies = rotation_count(self.bytes(0) + 2 * self.n * self.k)
+        macko = rotated(self.arrays, copies)
+        out = torch.empty(self.n, self.k, device="cuda", dtype=self.dtype)
+        return time_graph(lambda i: ops.macko_decompress(*macko[i], out=out), copies, replays=replays)
+
+
+def bandwidth(nbytes: int, ms: float, copy_gbs: float) -> tuple[float, float]:
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return gbs, 100 * gbs / copy_gbs
+
+
+def spmv_rows(m: Matrix, copy_gbs: float, replays: int) -> dict:
+    ms = m.time_macko(1, replays)
+    ref_ms = m.time_macko(1, replays, **REFERENCE_SCHEDULE)
+    cublas_ms = m.time_dense(1, replays, F.linear)
+    gemv_ms = m.time_dense(1, replays, ops.gemv)
+    csr_ms = m.time_csr(replays)
+    gbs, pct = bandwidth(m.bytes(1), ms, copy_gbs)
+    return {"shape": m.shape, "density": m.density, "mb": m.bytes(1) / 1e6, "minfer_ms": ms, "gbs": gbs,
+            "pct_copy": pct, "ref_schedule_ms": ref_ms, "vs_ref_schedule": ref_ms / ms,
+            "ref_schedule_pct_copy": bandwidth(m.bytes(1), ref_ms, copy_gbs)[1], "cublas_ms": cublas_ms,
+            "cublas_pct_copy": bandwidth(2 * (m.n * m.k + m.n + m.k), cublas_ms, copy_gbs)[1],
+            "vs_cublas": cublas_ms / ms, "gemv_ms": gemv_ms, "csr_ms": csr_ms, "vs_csr": csr_ms / ms,
+            "reference_ms": m.time_reference(max(3, replays // 4)), "nonzeros": m.nonzeros}
+
+
+def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=torch.float16, replays=20,
+        on_row: Callable[[str, dict], None] = lambda section, row: None) -> tuple[float, dict[str, list[dict]]]:
+    copy_gbs = copy_bandwidth_gbs()
+    results: dict[str, list[dict]] = {s: [] for s in sections}
+
+    def emit(section, row):
+        results[section].append(row)
+        on_row(section, row)
+
+    for n, k in shapes:
+        for density in densities:
+            m = Matrix(n, k, density, dtype)
+            if "spmv" in sections:
+                emit("spmv", spmv_rows(m, copy_gbs, replays))
+            if "sweep" in sections and density in SWEEP_DENSITIES:
+                for knobs in SWEEP:
+                    ms = m.time_macko(1, replays, **knobs)
+                    emit("sweep", {"shape": m.shape, "density": density, **knobs, "minfer_ms": ms,
+                                   "config": "{steps}/{warps_per_block}/{x_in_smem}".format(**knobs),
+                                   "pct_copy": bandwidth(m.bytes(1), ms, copy_gbs)[1]})
+            if "spmm" in sections and density in SPMM_DENSITIES:
+                spmv_ms = m.time_macko(1, replays)
+                for tokens in SPMM_TOKENS:
+                    ms = m.time_macko(tokens, replays)
+                    cublas_ms = m.time_dense(tokens, replays, F.linear)
+                    emit("spmm", {"shape": m.shape, "density": density, "tokens": tokens, "minfer_ms": ms,
+                                  "pct_copy": bandwidth(m.bytes(tokens), ms, copy_gbs)[1], "vs_spmv": ms / spmv_ms,
+                                  "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms})
+            if "decompress" in sections and density == 0.5:
+                ms = m.time_decompress(replays)
+                gbs, pct = bandwidth(m.bytes(0) + 2 * n * k, ms, copy_gbs)
+                emit("decompress", {"shape": m.shape, "density": density, "minfer_ms": ms, "gbs": gbs, "pct_copy": pct})
+            del m
+        pruned_arrays.cache_clear()
+        torch.cuda.empty_cache()
+    return copy_gbs, results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minfer.bench.macko_suite", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    parser.add_argument("--shapes", default=None, help="comma list of NxK (default: the Llama-2-7B shapes)")
+    parser.add_argument("--densities", default=None, help="comma list (default: 0.1,...,0.9)")
+    parser.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
+    parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the MACKO study needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else LLAMA2_7B_SHAPES
+    densities = [float(d) for d in args.densities.split(",")] if args.densities else DENSITIES
+    env = report.environment()
+    report.print_environment(env)
+    done: dict[str, list[dict]] = {s: [] for s in sections}
+
+    def on_row(section: str, row: dict) -> None:
+        print(f"  {section} {row['shape']} d{row['density']}: {row['minfer_ms']:.4f} ms", flush=True)
+        done[section].append(row)
+        if args.json:  # rewritten after every row, so a run cut short keeps what it measured
+            report.write_json(args.json, env, done)
+
+    copy_gbs, results = run(sections, shapes, densities, replays=args.reps, on_row=on_row)
+    env["copy_gbs"] = round(copy_gbs, 1)
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
+    for section, rows in results.items():
+        report.print_table(f"MACKO {section} ({env.get('device')})", COLUMNS[section], rows)
+    if args.json:
+        report.write_json(args.json, env, results)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
