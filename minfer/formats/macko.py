@@ -19,7 +19,7 @@ from .base import WeightFormat
 MAX_SKIP = 15  # a 4-bit nibble: after 15 skipped zeros an explicit zero is stored
 ALIGN = 8  # values are padded to a multiple of 8 entries (one 16-byte load)
 BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels take the 16-bit ones
 
 MackoArrays = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # values, deltas, row_ptr
 
@@ -38,7 +38,7 @@ def _pack(values: torch.Tensor, nibbles: torch.Tensor, counts: torch.Tensor) -> 
 
 
 def compress(weight: torch.Tensor) -> MackoArrays:
-    """MACKO arrays of a dense [R, C] fp16/bf16 matrix, identical to the reference compressor.
+    """MACKO arrays of a dense [R, C] matrix, identical to the reference compressor (which is fp16).
 
     Per row, walking left to right: a nonzero is stored, and so is a zero that follows 15 skipped
     zeros; stored zeros after the row's last nonzero are dropped. A stored entry's nibble counts
@@ -47,7 +47,7 @@ def compress(weight: torch.Tensor) -> MackoArrays:
     if weight.dim() != 2:
         raise FormatError(f"MACKO compresses 2-D [out, in] matrices, got shape {tuple(weight.shape)}")
     if weight.dtype not in DTYPES:
-        raise FormatError(f"MACKO stores float16 or bfloat16 values, got {weight.dtype}; cast the weight first")
+        raise FormatError(f"MACKO stores float16, bfloat16 or float32 values, got {weight.dtype}")
     rows, cols = weight.shape
     column = torch.arange(cols, device=weight.device, dtype=torch.int32)
     values, nibbles, counts = [], [], []
@@ -113,7 +113,7 @@ class MackoWeight(WeightFormat):
     def __init__(self, values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, shape: tuple[int, int]):
         rows, cols = shape
         if values.dim() != 1 or values.dtype not in DTYPES or values.numel() % ALIGN:
-            raise FormatError(f"MACKO values must be a 1-D float16/bfloat16 tensor of a multiple of {ALIGN} "
+            raise FormatError(f"MACKO values must be a 1-D float tensor of a multiple of {ALIGN} "
                               f"entries, got {values.dtype} {tuple(values.shape)}")
         if deltas.dtype != torch.uint8 or deltas.shape != (values.numel() // 2,):
             raise FormatError(f"MACKO deltas must be uint8 with {values.numel() // 2} bytes (one nibble per "
@@ -150,7 +150,9 @@ class MackoWeight(WeightFormat):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
-        if flat.shape[0] > ops.MACKO_SPMM_MAX_TOKENS and ops.use_kernels(flat):
+        if self.values.dtype == torch.float32:  # no fp32 kernel: the CPU-oriented reference path
+            out = ops.macko_spmv_reference(self.values, self.deltas, self.row_ptr, flat)
+        elif flat.shape[0] > ops.MACKO_SPMM_MAX_TOKENS and ops.use_kernels(flat):
             weight = scratch_matrix(self.out_features, self.in_features, self.values.dtype, flat.device)
             out = F.linear(flat, ops.macko_decompress(self.values, self.deltas, self.row_ptr, out=weight))
         else:
