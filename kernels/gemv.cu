@@ -205,11 +205,17 @@ __global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict_
     }
 }
 
-bool device_supports_pdl() {
-    int device = 0, major = 0;
+struct DeviceInfo {
+    int sm_count;
+    bool supports_pdl;  // programmatic dependent launch: sm_90+
+};
+
+DeviceInfo current_device_info() {
+    int device = 0, major = 0, sm_count = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major >= 9;
+    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+    return {sm_count, major >= 9};
 }
 
 template <typename T, int kWarps, int kUnroll>
@@ -239,7 +245,16 @@ void launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int token
         gemv_scalar_kernel<T><<<ceil_div(n, kRowsPerBlock), kRowsPerBlock * 32, 0, stream>>>(x, w, out, tokens, n, k);
         return;
     }
-    launch_mma<T, 8, 4>(x, w, out, tokens, n, k, device_supports_pdl(), stream);
+    // Measured on an H100 (docs/perf-notes.md): 8 warps x 4 steps is within 1-2% of the best variant
+    // everywhere; long rows want more warps per tile, and many tiles per SM a deeper unroll.
+    const DeviceInfo device = current_device_info();
+    if (k >= 8192) {
+        launch_mma<T, 16, 4>(x, w, out, tokens, n, k, device.supports_pdl, stream);
+    } else if (ceil_div(n, kTileRows) >= 8 * device.sm_count) {
+        launch_mma<T, 8, 8>(x, w, out, tokens, n, k, device.supports_pdl, stream);
+    } else {
+        launch_mma<T, 8, 4>(x, w, out, tokens, n, k, device.supports_pdl, stream);
+    }
 }
 
 }  // namespace
