@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
 template <typename T, int BM, int BN, int WARPS_M, int WARPS_N>
 const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int k, cudaStream_t stream) {
     using Tile = Sm80Tile<BM, BN, WARPS_M, WARPS_N>;
-    auto kernel = hgemm_sm80_kernel<T, BM, BN, WARPS_M, WARPS_N>;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) != cudaSuccess)
+    constexpr auto kernel = hgemm_sm80_kernel<T, BM, BN, WARPS_M, WARPS_N>;
+    if (!opt_in_shared_memory<kernel>(Tile::kSmemBytes))
         return "this GPU cannot give the sm80 HGEMM kernel the shared memory it needs";
     const int tiles = ((m + BM - 1) / BM) * ((n + BN - 1) / BN);
     kernel<<<tiles, Tile::kThreads, Tile::kSmemBytes, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w),

@@ -7,10 +7,14 @@
 // registers (wgmma m64nBNk16, both operands read from shared memory). Stage ownership passes
 // through two mbarriers per stage: `full` (TMA bytes landed) and `empty` (consumers done reading).
 // While consumers run the epilogue of one tile, the producer already fills stages for the next.
+//
+// With CLUSTER = 2, two CTAs on neighbouring SMs take vertically adjacent tiles that share one W
+// tile: each loads half of it and multicasts that half into both CTAs' shared memory, so W moves
+// from L2 once per pair. A stage is then free only when the consumers of both CTAs are done with
+// it, so consumers also arrive on the peer CTA's `empty` barrier.
 #include <cuda.h>  // CUtensorMap and its enums only: the driver entry point is fetched at run time
 #include <cudaTypedefs.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "hgemm.h"
@@ -84,6 +88,37 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
             "r"(dst),
         "l"(map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
+}
+
+// The same box into this and every CTA of `cta_mask`, at the same shared-memory offsets; each
+// destination's barrier at `bar`'s offset counts the bytes.
+__device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                                   uint32_t bar, uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+
+// Arrival on the barrier at the same offset in CTA `cta` of this cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+    asm volatile(
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+        "r"(cta)
+        : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// Every thread of every CTA in the cluster; orders shared-memory writes (barrier init) cluster-wide.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
 // Shared memory -> box at (c0, c1); the parts of the box outside the tensor are not written.
@@ -199,13 +234,14 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, u
 
 #endif  // MINFER_SM90A
 
-template <typename T, int BN>
+template <typename T, int BN, int CLUSTER>
 __global__ void __launch_bounds__(kThreads, 1)
     hgemm_sm90_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                       const __grid_constant__ CUtensorMap map_y, int M, int N, int K) {
 #ifdef MINFER_SM90A
     using Tile = Sm90Tile<BN>;
     constexpr int S = Tile::kStages;
+    constexpr int kRowsW = BN / CLUSTER;  // rows of the W tile this CTA loads (and multicasts)
     extern __shared__ uint8_t smem_raw[];
     // 128-byte swizzle atoms repeat every 1024 bytes: stages and epilogue buffers start on 1024.
     const uint32_t base = (shared_address(smem_raw) + 1023) & ~1023u;
@@ -214,32 +250,50 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t empty_bar = full_bar + S * 8;
 
     const int warpgroup = threadIdx.x / 128;
+    const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
     const int tiles_m = (M + kBM - 1) / kBM, tiles_n = (N + BN - 1) / BN;
-    const int num_tiles = tiles_m * tiles_n;
+    // A work unit is CLUSTER vertically adjacent tiles sharing one W tile; CTA `rank` takes one of them.
+    const int units_m = (tiles_m + CLUSTER - 1) / CLUSTER;
+    const int num_units = units_m * tiles_n;
+    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
     const int num_k = (K + kBK - 1) / kBK;
+    auto tile_of = [&](int unit) {
+        const TileCoord u = tile_coord(unit, units_m, tiles_n, kBand / CLUSTER);
+        return TileCoord{u.m * CLUSTER + rank, u.n};
+    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; ++s) {
-            mbar_init(full_bar + 8 * s, 1);   // the producer's arrive.expect_tx
-            mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+            mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
+            mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    if constexpr (CLUSTER > 1) {
+        cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them
+    } else {
+        __syncthreads();
+    }
 
     if (warpgroup == 0) {
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             int it = 0;  // k-blocks issued so far: stage it % S, ring pass it / S
-            for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-                const TileCoord tile = tile_coord(t, tiles_m, tiles_n, kBand);
+            for (int unit = first_unit; unit < num_units; unit += unit_step) {
+                const TileCoord tile = tile_of(unit);
                 for (int kb = 0; kb < num_k; ++kb, ++it) {
                     const int s = it % S;
                     mbar_wait(empty_bar + 8 * s, ((it / S) & 1) ^ 1);
                     const uint32_t stage = base + s * Tile::kStageBytes;
-                    mbar_arrive_expect_tx(full_bar + 8 * s, Tile::kStageBytes);
+                    const uint32_t w_rows = stage + Tile::kStageA + rank * kRowsW * 128;
+                    mbar_arrive_expect_tx(full_bar + 8 * s, Tile::kStageBytes);  // X tile + the whole W tile
                     tma_load(stage, &map_x, kb * kBK, tile.m * kBM, full_bar + 8 * s);
-                    tma_load(stage + Tile::kStageA, &map_w, kb * kBK, tile.n * BN, full_bar + 8 * s);
+                    if constexpr (CLUSTER > 1) {
+                        tma_load_multicast(w_rows, &map_w, kb * kBK, tile.n * BN + rank * kRowsW, full_bar + 8 * s,
+                                           (1u << CLUSTER) - 1);
+                    } else {
+                        tma_load(w_rows, &map_w, kb * kBK, tile.n * BN, full_bar + 8 * s);
+                    }
                 }
             }
         }
@@ -251,11 +305,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         // stmatrix row address of this lane: matrix lane / 8 is (rows +8 if odd) x (n8 block +1 if >= 2).
         const int epi_row = warp * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
         const int epi_block = lane >> 4;
+        auto release = [&](int s) {  // this warp is done reading stage s, in every CTA that filled it
+            if (lane != 0) return;
+            if constexpr (CLUSTER == 1) {
+                mbar_arrive(empty_bar + 8 * s);
+            } else {
+#pragma unroll
+                for (int cta = 0; cta < CLUSTER; ++cta) mbar_arrive_cluster(empty_bar + 8 * s, cta);
+            }
+        };
         float acc[BN / 2] = {};
         int it = 0;   // k-blocks consumed so far
         int epi = 0;  // epilogue chunks stored so far: buffer epi % 2
-        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-            const TileCoord tile = tile_coord(t, tiles_m, tiles_n, kBand);
+        for (int unit = first_unit; unit < num_units; unit += unit_step) {
+            const TileCoord tile = tile_of(unit);
             for (int kb = 0; kb < num_k; ++kb, ++it) {
                 const int s = it % S;
                 mbar_wait(full_bar + 8 * s, (it / S) & 1);
@@ -268,12 +331,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 wgmma_commit();
                 if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
                     wgmma_wait<1>();
-                    if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % S));
+                    release((it - 1) % S);
                 }
             }
             wgmma_wait<0>();
             fence_registers(acc);
-            if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % S));
+            release((it - 1) % S);
 
             // Epilogue, 64 columns at a time: registers -> swizzled shared buffer (stmatrix) -> TMA store.
             // Accumulator layout: d[4 j + {0,1}] at row lane / 4, d[4 j + {2,3}] at row lane / 4 + 8,
@@ -302,6 +365,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
         if (t128 == 0) tma_store_wait_all();
+    }
+    if constexpr (CLUSTER > 1) {
+        __syncwarp();
+        cluster_sync();  // no CTA leaves while its peer may still signal its barriers
     }
 #endif
 }
@@ -340,12 +407,11 @@ bool make_map(CUtensorMap* map, const void* ptr, DType dtype, int rows, int cols
 int current_device() {
     int device = 0;
     cudaGetDevice(&device);
-    return device;
+    return device & 63;
 }
 
 int multiprocessors(int device) {
     static std::atomic<int> cached[64] = {};
-    if (device >= 64) device = 63;
     int sms = cached[device].load(std::memory_order_relaxed);
     if (sms == 0) {
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -354,44 +420,87 @@ int multiprocessors(int device) {
     return sms;
 }
 
-template <typename T, int BN>
+// How many clusters of this kernel run at once (GPCs need not split evenly into pairs), asked once
+// per device so that no query runs while a CUDA graph is being captured.
+template <auto Kernel, int CLUSTER, int SMEM>
+int resident_clusters(int device) {
+    static std::atomic<int> cached[64] = {};
+    int clusters = cached[device].load(std::memory_order_relaxed);
+    if (clusters == 0) {
+        cudaLaunchConfig_t config = {};
+        cudaLaunchAttribute attr;
+        attr.id = cudaLaunchAttributeClusterDimension;
+        attr.val.clusterDim.x = CLUSTER;
+        attr.val.clusterDim.y = 1;
+        attr.val.clusterDim.z = 1;
+        config.gridDim = dim3(multiprocessors(device) / CLUSTER * CLUSTER);
+        config.blockDim = dim3(kThreads);
+        config.dynamicSmemBytes = SMEM;
+        config.attrs = &attr;
+        config.numAttrs = 1;
+        if (cudaOccupancyMaxActiveClusters(&clusters, Kernel, &config) != cudaSuccess || clusters <= 0) {
+            cudaGetLastError();  // clear it: fall back to the SM count
+            clusters = multiprocessors(device) / CLUSTER;
+        }
+        cached[device].store(clusters, std::memory_order_relaxed);
+    }
+    return clusters;
+}
+
+template <typename T, int BN, int CLUSTER>
 const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int k, DType dtype,
                         cudaStream_t stream) {
     using Tile = Sm90Tile<BN>;
-    auto kernel = hgemm_sm90_kernel<T, BN>;
-    // The shared-memory opt-in is per device; set it once, outside any graph capture that follows.
-    static std::atomic<uint64_t> opted_in{0};
-    const int device = current_device();
-    const uint64_t bit = 1ull << (device & 63);
-    if (!(opted_in.load() & bit)) {
-        if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes) !=
-            cudaSuccess)
-            return "this GPU cannot give the sm90 HGEMM kernel the shared memory it needs";
-        opted_in.fetch_or(bit);
-    }
+    constexpr auto kernel = hgemm_sm90_kernel<T, BN, CLUSTER>;
+    if (!opt_in_shared_memory<kernel>(Tile::kSmemBytes))
+        return "this GPU cannot give the sm90 HGEMM kernel the shared memory it needs";
     CUtensorMap map_x, map_w, map_y;
-    if (!make_map(&map_x, x, dtype, m, k, kBM) || !make_map(&map_w, w, dtype, n, k, BN) ||
+    if (!make_map(&map_x, x, dtype, m, k, kBM) || !make_map(&map_w, w, dtype, n, k, BN / CLUSTER) ||
         !make_map(&map_y, y, dtype, m, n, 64))
         return "cuTensorMapEncodeTiled failed (driver too old for TMA, or a pointer not 16-byte aligned)";
-    const int tiles = ((m + kBM - 1) / kBM) * ((n + BN - 1) / BN);
-    const int sms = multiprocessors(device);
-    kernel<<<tiles < sms ? tiles : sms, kThreads, Tile::kSmemBytes, stream>>>(map_x, map_w, map_y, m, n, k);
+    const int device = current_device();
+    const int units = ((m + kBM * CLUSTER - 1) / (kBM * CLUSTER)) * ((n + BN - 1) / BN);
+    const int resident = CLUSTER > 1 ? resident_clusters<kernel, CLUSTER, Tile::kSmemBytes>(device)
+                                     : multiprocessors(device);
+    cudaLaunchConfig_t config = {};
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = CLUSTER;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    config.gridDim = dim3(CLUSTER * (units < resident ? units : resident));  // persistent: one CTA per SM
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = Tile::kSmemBytes;
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = CLUSTER > 1 ? 1 : 0;
+    if (cudaLaunchKernelEx(&config, kernel, map_x, map_w, map_y, m, n, k) != cudaSuccess)
+        return "launching the sm90 HGEMM kernel failed";
     return nullptr;
 }
 
-// Tile N with the least estimated time: whole waves of tiles over the SMs, times the tile's work
-// over how well that tile size keeps the tensor cores busy (wider tiles reuse each X load more).
-int choose_tile_n(int m, int n, int sms) {
-    constexpr int kTileN[4] = {256, 192, 128, 64};
-    constexpr double kEfficiency[4] = {1.0, 0.95, 0.88, 0.72};
-    int best = 256;
+struct TileChoice {
+    int tile_n;
+    int cluster;
+    double efficiency;  // relative tensor-core throughput of one such tile, measured on an H100
+};
+
+constexpr TileChoice kTileChoices[] = {
+    {256, 1, 1.0}, {192, 1, 0.96}, {128, 1, 0.82}, {64, 1, 0.5}, {256, 2, 1.04}, {192, 2, 1.0}, {128, 2, 0.88},
+};
+
+// The tile with the least estimated time: whole waves of work units over the SMs (a wave of
+// clusters is half as many units), times one unit's work over how well that tile keeps the tensor
+// cores busy (wider tiles reuse each X load more; pairs halve W traffic from L2).
+TileChoice choose_tile(int m, int n, int sms) {
+    TileChoice best = kTileChoices[0];
     double best_cost = 0.0;
-    for (int i = 0; i < 4; ++i) {
-        const long tiles = static_cast<long>((m + kBM - 1) / kBM) * ((n + kTileN[i] - 1) / kTileN[i]);
-        const long waves = (tiles + sms - 1) / sms;
-        const double cost = waves * kTileN[i] / kEfficiency[i];
-        if (i == 0 || cost < best_cost) {
-            best = kTileN[i];
+    for (const TileChoice& c : kTileChoices) {
+        const long units = static_cast<long>((m + kBM * c.cluster - 1) / (kBM * c.cluster)) * ((n + c.tile_n - 1) / c.tile_n);
+        const long slots = sms / c.cluster;
+        const double cost = ((units + slots - 1) / slots) * c.tile_n / c.efficiency;
+        if (best_cost == 0.0 || cost < best_cost) {
+            best = c;
             best_cost = cost;
         }
     }
@@ -400,13 +509,20 @@ int choose_tile_n(int m, int n, int sms) {
 
 template <typename T>
 const char* launch_typed(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
-                         cudaStream_t stream) {
-    if (tile_n == 0) tile_n = choose_tile_n(m, n, multiprocessors(current_device()));
-    switch (tile_n) {
-        case 64: return launch_tile<T, 64>(x, w, y, m, n, k, dtype, stream);
-        case 128: return launch_tile<T, 128>(x, w, y, m, n, k, dtype, stream);
-        case 192: return launch_tile<T, 192>(x, w, y, m, n, k, dtype, stream);
-        case 256: return launch_tile<T, 256>(x, w, y, m, n, k, dtype, stream);
+                         int cluster, cudaStream_t stream) {
+    if (tile_n == 0) {
+        const TileChoice c = choose_tile(m, n, multiprocessors(current_device()));
+        tile_n = c.tile_n;
+        cluster = c.cluster;
+    }
+    switch (cluster * 1000 + tile_n) {
+        case 1064: return launch_tile<T, 64, 1>(x, w, y, m, n, k, dtype, stream);
+        case 1128: return launch_tile<T, 128, 1>(x, w, y, m, n, k, dtype, stream);
+        case 1192: return launch_tile<T, 192, 1>(x, w, y, m, n, k, dtype, stream);
+        case 1256: return launch_tile<T, 256, 1>(x, w, y, m, n, k, dtype, stream);
+        case 2128: return launch_tile<T, 128, 2>(x, w, y, m, n, k, dtype, stream);
+        case 2192: return launch_tile<T, 192, 2>(x, w, y, m, n, k, dtype, stream);
+        case 2256: return launch_tile<T, 256, 2>(x, w, y, m, n, k, dtype, stream);
         default: return "unknown sm90 HGEMM tile";
     }
 }
@@ -415,14 +531,14 @@ const char* launch_typed(const void* x, const void* w, void* y, int m, int n, in
 
 bool hgemm_sm90_available() {
     static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
-    const int device = current_device() & 63;
+    const int device = current_device();
     int state = cached[device].load(std::memory_order_relaxed);
     if (state == 0) {
         cudaDeviceProp prop;
         cudaFuncAttributes attr;
         // sm_90 machine code compiled from sm_90a PTX (the #error above rules out plain sm_90).
         const bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256>) == cudaSuccess &&
+                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256, 1>) == cudaSuccess &&
                         attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_tiled() != nullptr;
         state = ok ? 2 : 1;
         cached[device].store(state, std::memory_order_relaxed);
@@ -431,11 +547,12 @@ bool hgemm_sm90_available() {
 }
 
 const char* launch_hgemm_sm90(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
-                              cudaStream_t stream) {
+                              int cluster, cudaStream_t stream) {
     if (!hgemm_sm90_available()) return "the sm90 HGEMM path needs an sm_90 GPU and a build for 9.0a";
     switch (dtype) {
-        case DType::kFloat16: return launch_typed<half>(x, w, y, m, n, k, dtype, tile_n, stream);
-        case DType::kBFloat16: return launch_typed<__nv_bfloat16>(x, w, y, m, n, k, dtype, tile_n, stream);
+        case DType::kFloat16: return launch_typed<half>(x, w, y, m, n, k, dtype, tile_n, cluster, stream);
+        case DType::kBFloat16:
+            return launch_typed<__nv_bfloat16>(x, w, y, m, n, k, dtype, tile_n, cluster, stream);
         default: return "HGEMM takes float16 or bfloat16";
     }
 }
