@@ -55,6 +55,15 @@ __device__ __forceinline__ uint32_t load_coherent_u16(const uint16_t* ptr) {
     return r;
 }
 
+__device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(ptr)
+                 : "memory");
+    return r;
+}
+
 template <typename T> __device__ __forceinline__ float bits_to_float(uint32_t bits);
 template <> __device__ __forceinline__ float bits_to_float<half>(uint32_t bits) {
     return __half2float(__ushort_as_half((unsigned short)bits));
@@ -253,37 +262,85 @@ struct SpmvConsumer {
         else return __ldg(x + i);
     }
 
+    // x is 16-byte aligned and a whole number of 8-element vectors.
+    __device__ __forceinline__ bool x_vectorized() const {
+        return cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    }
+
+    // Column `col` of the [cols][TT] tile: TT/2 words, word p = tokens 2p (low half) and 2p + 1.
+    __device__ __forceinline__ void store_column(uint32_t* xs, int col, const uint32_t (&w)[TT / 2]) const {
+        uint32_t* dst = xs + (int64_t)col * (TT / 2);
+        if constexpr (TT == 2) {
+            dst[0] = w[0];
+        } else if constexpr (TT == 4) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+        } else {
+#pragma unroll
+            for (int q = 0; q < TT / 8; ++q)
+                reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+        }
+    }
+
+    // x -> shared memory. Vector loads are issued in batches before their first use, so a block
+    // waits about one L2 round trip however long x is.
+    __device__ __forceinline__ void stage_one_token(float* xs) const {
+        if (!x_vectorized()) {
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_x(i));
+            return;
+        }
+        constexpr int kBatch = 4;
+        const int vectors = cols / 8;
+        for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
+            uint4 v[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int i = first + u * blockDim.x;
+                v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int i = first + u * blockDim.x;
+                if (i >= vectors) break;
+                const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
+                const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
+                reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+                reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+            }
+        }
+    }
+
+    // One column per thread, all TT tokens, two columns' loads in flight before their stores
+    // (consecutive threads store consecutive columns: no bank conflicts).
+    __device__ __forceinline__ void stage_tokens(uint32_t* xs) const {
+        constexpr int kBatch = 2;
+        for (int first = threadIdx.x; first < cols; first += kBatch * blockDim.x) {
+            uint32_t w[kBatch][TT / 2];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int i = first + u * blockDim.x;
+#pragma unroll
+                for (int p = 0; p < TT / 2; ++p) {
+                    const uint32_t lo = i < cols && 2 * p < tokens ? load_x((int64_t)(2 * p) * cols + i) : 0u;
+                    const uint32_t hi = i < cols && 2 * p + 1 < tokens ? load_x((int64_t)(2 * p + 1) * cols + i) : 0u;
+                    w[u][p] = lo | (hi << 16);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u)
+                if (first + u * blockDim.x < cols) store_column(xs, first + u * blockDim.x, w[u]);
+        }
+    }
+
     __device__ __forceinline__ void stage() {
         if constexpr (PDL) {
             allow_dependents_to_launch();
             wait_for_previous_kernel();
         }
         if constexpr (X_IN_SMEM) {
-            if constexpr (TT == 1) {
-                float* xs = static_cast<float*>(smem);
-                for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_x(i));
-            } else {
-                uint32_t* xs = static_cast<uint32_t*>(smem);
-                for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-                    uint32_t w[TT / 2];
-#pragma unroll
-                    for (int p = 0; p < TT / 2; ++p) {
-                        const uint32_t lo = 2 * p < tokens ? load_x((int64_t)(2 * p) * cols + i) : 0u;
-                        const uint32_t hi = 2 * p + 1 < tokens ? load_x((int64_t)(2 * p + 1) * cols + i) : 0u;
-                        w[p] = lo | (hi << 16);
-                    }
-                    uint32_t* dst = xs + (int64_t)i * (TT / 2);
-                    if constexpr (TT == 2) {
-                        dst[0] = w[0];
-                    } else if constexpr (TT == 4) {
-                        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-                    } else {
-#pragma unroll
-                        for (int q = 0; q < TT / 8; ++q)
-                            reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
-                    }
-                }
-            }
+            if constexpr (TT == 1)
+                stage_one_token(static_cast<float*>(smem));
+            else
+                stage_tokens(static_cast<uint32_t*>(smem));
             __syncthreads();
         }
     }
@@ -363,23 +420,28 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __
         walk_rows_unpipelined<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
 }
 
-// Dense rows: each warp zero-fills its row, then scatters the stored entries (16-bit copies).
+// Dense rows. ROW_IN_SMEM: each warp assembles its row in shared memory (zeros, then the scattered
+// entries) and writes it out with coalesced 16-byte stores; otherwise (rows too long for shared
+// memory) it zero-fills the row in global memory and scatters the entries there.
+template <bool ROW_IN_SMEM>
 struct DecompressConsumer {
     uint16_t* __restrict__ out;
+    uint16_t* row_buffer;  // this warp's shared-memory row (ROW_IN_SMEM)
     int cols;
     int lane;
-    bool vector_fill;  // rows are 16-byte aligned
-    uint16_t* row_out;
+    bool vector_rows;  // output rows are 16-byte aligned whole vectors
+    uint16_t* row_out = nullptr;
+    uint16_t* dst = nullptr;  // where entries land: row_buffer or row_out
 
     __device__ __forceinline__ void stage() {}
 
     __device__ __forceinline__ void begin_row(int row) {
         row_out = out + (int64_t)row * cols;
-        if (vector_fill) {
-            for (int c = lane * 8; c < cols; c += kWarpSize * 8)
-                *reinterpret_cast<uint4*>(row_out + c) = make_uint4(0, 0, 0, 0);
+        dst = ROW_IN_SMEM ? row_buffer : row_out;
+        if (ROW_IN_SMEM || vector_rows) {  // the shared row is padded to whole vectors
+            for (int c = lane * 8; c < cols; c += kWarpSize * 8) *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
         } else {
-            for (int c = lane; c < cols; c += kWarpSize) row_out[c] = 0;
+            for (int c = lane; c < cols; c += kWarpSize) dst[c] = 0;
         }
         __syncwarp();  // the zeros land before this warp's scattered entries
     }
@@ -390,33 +452,49 @@ struct DecompressConsumer {
         for (int j = 0; j < kChunk; ++j) {
             if (CHECK && (c0 + j < s || c0 + j >= e)) continue;
             const uint32_t w = word_of(v, j >> 1);
-            row_out[base + j + nib.prefix(j)] = (uint16_t)((j & 1) ? (w >> 16) : (w & 0xffffu));
+            dst[base + j + nib.prefix(j)] = (uint16_t)((j & 1) ? (w >> 16) : (w & 0xffffu));
         }
     }
 
-    __device__ __forceinline__ void end_row(int) {}
+    __device__ __forceinline__ void end_row(int) {
+        if constexpr (ROW_IN_SMEM) {
+            __syncwarp();  // every entry is in the shared row
+            if (vector_rows) {
+                for (int c = lane * 8; c < cols; c += kWarpSize * 8)
+                    *reinterpret_cast<uint4*>(row_out + c) = *reinterpret_cast<const uint4*>(row_buffer + c);
+            } else {
+                for (int c = lane; c < cols; c += kWarpSize) row_out[c] = row_buffer[c];
+            }
+            __syncwarp();  // copied out before the next row zeroes the buffer
+        }
+    }
 };
 
-template <int STEPS>
+template <int STEPS, bool ROW_IN_SMEM>
 __global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uint4* __restrict__ values,
                                                                        const uint32_t* __restrict__ deltas,
                                                                        const int* __restrict__ row_ptr,
                                                                        uint16_t* __restrict__ out, int rows,
                                                                        int cols) {
-    const int warps = blockDim.x / kWarpSize;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int warp = threadIdx.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
-    const bool vector_fill = cols % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-    DecompressConsumer consumer{out, cols, lane, vector_fill, out};
-    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize,
-                     gridDim.x * warps, lane, consumer);
+    uint16_t* row_buffer = reinterpret_cast<uint16_t*>(smem) + (int64_t)warp * ((cols + 7) & ~7);
+    const bool vector_rows = cols % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    DecompressConsumer<ROW_IN_SMEM> consumer{out, row_buffer, cols, lane, vector_rows};
+    const int warps = blockDim.x / kWarpSize;
+    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + warp, gridDim.x * warps, lane, consumer);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Host side
 // ---------------------------------------------------------------------------------------------
 
+// Defaults from the launch sweep on an H100 (docs/perf-notes.md, "MACKO").
 constexpr int kDefaultSteps = 2;
-constexpr int kDefaultWarpsPerBlock = 8;
+constexpr int kDefaultWarpsPerBlock = 16;
+constexpr int kMaxColsForSmemX = 8192;  // longer x: gathering from L1/L2 beat staging it (one token)
+constexpr int kDecompressWarpsPerBlock = 8;
 
 struct DeviceLimits {
     int sm_count;
@@ -518,7 +596,8 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     int per_pass = 1;
     while (per_pass < tokens && per_pass < 16) per_pass *= 2;
     while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
-    bool x_in_smem = tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
+    const bool fits = per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin;
+    bool x_in_smem = tuning.x_in_smem == 1 ? fits : tuning.x_in_smem == 0 ? false : fits && (per_pass > 1 || cols <= kMaxColsForSmemX);
     if (!x_in_smem) per_pass = 1;
     const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
     // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
@@ -555,11 +634,20 @@ void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t*
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,
                              int64_t rows, int64_t cols, DType, cudaStream_t stream) {
     if (rows == 0) return;
-    auto kernel = macko_decompress_kernel<kDefaultSteps>;
-    const dim3 grid = persistent_grid(kernel, (int)rows, kDefaultWarpsPerBlock, 0, 1);
-    kernel<<<grid, kDefaultWarpsPerBlock * kWarpSize, 0, stream>>>(
-        static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
-        static_cast<uint16_t*>(out), (int)rows, (int)cols);
+    const int row_bytes = (int)(((cols + 7) & ~7) * sizeof(uint16_t));
+    const int fit = device_limits().smem_optin / row_bytes;
+    const auto args = std::make_tuple(static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
+                                      row_ptr, static_cast<uint16_t*>(out), (int)rows, (int)cols);
+    if (fit >= 1) {
+        const int warps = fit < kDecompressWarpsPerBlock ? fit : kDecompressWarpsPerBlock;
+        auto kernel = macko_decompress_kernel<kDefaultSteps, true>;
+        const dim3 grid = persistent_grid(kernel, (int)rows, warps, warps * row_bytes, 1);
+        std::apply([&](auto... a) { kernel<<<grid, warps * kWarpSize, warps * row_bytes, stream>>>(a...); }, args);
+    } else {
+        auto kernel = macko_decompress_kernel<kDefaultSteps, false>;
+        const dim3 grid = persistent_grid(kernel, (int)rows, kDecompressWarpsPerBlock, 0, 1);
+        std::apply([&](auto... a) { kernel<<<grid, kDecompressWarpsPerBlock * kWarpSize, 0, stream>>>(a...); }, args);
+    }
 }
 
 }  // namespace minfer
