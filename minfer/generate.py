@@ -184,7 +184,7 @@ class Generator:
         prompt.copy_(self._prompt_host[:n_prompt].view(1, -1), non_blocking=True)
         if cuda:
             prefill_start.record()
-        logits = self.model(prompt, self.model.positions[:n_prompt], kv_len=n_prompt)
+        logits = self.model(prompt, self.model.positions[:n_prompt], kv_len=n_prompt, last_logits_only=True)
         if cuda:
             prefill_end.record()
         else:

@@ -4,9 +4,9 @@ Layout follows HF `LlamaForCausalLM` (half-split RoPE, so checkpoints load witho
 except that q/k/v are fused into one `qkv_proj` and gate/up into one `gate_up_proj`: one matrix
 read per sublayer input. Every tensor is a buffer; the model only runs inference.
 
-The numerical steps are the small functions below (`rms_norm`, `add_rms_norm`, `rope_write_kv`,
-`attention`, plus `ops.silu_mul`), written in plain PyTorch with the argument conventions of the
-`minfer.ops` kernels, so a fast path replaces one function without touching the modules.
+The numerical steps go through `minfer.ops` (RMSNorm with the residual add, RoPE fused with the
+KV-cache write, SiLU-mul, decode attention): CUDA kernels on a GPU with the minfer backend, their
+pure-PyTorch references otherwise. Prefill attention uses torch SDPA.
 
 Each sublayer ends with the fused-residual pattern `residual += out; x = norm(residual)`: a block
 takes the residual stream and its normalized copy and hands the next block both again, so the
@@ -33,46 +33,21 @@ from .kv_cache import KVCache
 # ----------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight (torch computes the statistics in fp32 for half inputs)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x (in place), then return rms_norm(residual) * weight."""
-    residual.add_(x)
-    return rms_norm(residual, weight, eps)
-
-
-def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF half-split RoPE: out = x * cos + [x2, x1] * [-sin, sin] for x = [x1, x2], computed in fp32."""
-    halves = x.unflatten(-1, (2, -1))  # [..., 2, D/2]
-    return torch.addcmul(halves * cos, halves.flip(-2), signed_sin, out=out.unflatten(-1, (2, -1)))
-
-
-def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Rotate q [B,T,Hq,D] in place and k [B,T,Hkv,D]; write k, v to the caches [B,Hkv,S,D] at input_pos.
-
-    cos/sin are the fp32 tables [S, D/2] indexed by position.
-    """
-    sin = sin.index_select(0, input_pos)[:, None, None, :]  # [T, 1, 1, D/2]
-    cos = cos.index_select(0, input_pos)[:, None, None, :]
-    signed_sin = torch.cat((-sin, sin), dim=-2)  # [T, 1, 2, D/2]
-    _rotate_into(q, q, cos, signed_sin)
-    k_rotated = _rotate_into(torch.empty_like(k), k, cos, signed_sin).flatten(-2)
-    k_cache.index_copy_(2, input_pos, k_rotated.transpose(1, 2))
-    v_cache.index_copy_(2, input_pos, v.transpose(1, 2))
-
-
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-              kv_len: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [B,T,Hq,D] attends to cache positions [0, kv_len) under the additive mask [T, kv_len]
+def attention(q: torch.Tensor, cache: KVCache, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """q [B,T,Hq,D] attends to cache positions [0, kv_len), with the additive mask [T, kv_len]
     (0 where visible, -inf elsewhere, in q's dtype). mask None means plain causal attention over a
-    prompt that fills positions 0..T-1 (T == kv_len). Query head h reads KV head h // (Hq / Hkv),
-    as HF's repeat_kv does. Returns [B,T,Hq,D].
+    prompt that fills positions 0..T-1 (T == kv_len). Query head h reads KV head h // (Hq / Hkv), as
+    HF's repeat_kv does. Returns [B,T,Hq,D].
+
+    A single decode token on the GPU runs minfer's split-K flash-decoding kernel, which reads the
+    live length from input_pos on the device (kv_len and mask are then unused).
     """
-    k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    if q.shape[1] == 1 and cache.attention_workspace is not None and ops.use_kernels(q):
+        out = ops.decode_attention(q[:, 0], cache.k_cache, cache.v_cache, input_pos, scale,
+                                   workspace=cache.attention_workspace)
+        return out.unsqueeze(1)
+    k, v = cache.k_cache[:, :, :kv_len], cache.v_cache[:, :, :kv_len]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[2] != k.shape[1],
@@ -153,11 +128,11 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.empty(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual += x in place; returns the normalized residual."""
-        return add_rms_norm(residual, x, self.weight, self.eps)
+        return ops.add_rms_norm(residual, x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -178,8 +153,8 @@ class Attention(nn.Module):
         k = k.view(batch, seq, self.num_kv_heads, d)
         v = v.view(batch, seq, self.num_kv_heads, d)
         cache = self.kv_cache
-        rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
-        out = attention(q, cache.k_cache, cache.v_cache, input_pos, kv_len, mask, self.scale)
+        ops.rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
+        out = attention(q, cache, input_pos, kv_len, mask, self.scale)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * d))
 
 
@@ -271,17 +246,20 @@ class Transformer(nn.Module):
         dtype = dtype or self.embed_tokens.weight.dtype
         device = device or self.embed_tokens.weight.device
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_kv_heads, max_seq_len,
-                                               self.config.head_dim, dtype, device)
+            layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_heads, self.config.num_kv_heads,
+                                               max_seq_len, self.config.head_dim, dtype, device)
         self.rope_cos, self.rope_sin = rope_tables(self.config, max_seq_len, device)
         self.positions = torch.arange(max_seq_len, device=device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None,
+                last_logits_only: bool = False) -> torch.Tensor:
         """tokens [B, T] at positions input_pos [T] (increasing) -> logits [B, T, V].
 
         Attention reads cache positions [0, kv_len) (default: the whole cache); kv_len must exceed
         every position in input_pos. T == kv_len means a prompt at positions 0..T-1 (plain causal).
+        last_logits_only returns logits [B, 1, V] for the last position only (what prefill samples
+        from), skipping the lm_head work for the others.
         """
         if self.rope_cos is None:
             raise MinferError("call setup_caches(max_batch_size, max_seq_len) before running the model")
@@ -296,4 +274,4 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x = layer(residual, x, input_pos, kv_len, mask, rope, next_norm)
-        return self.lm_head(x)
+        return self.lm_head(x[:, -1:] if last_logits_only else x)

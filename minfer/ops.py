@@ -507,7 +507,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     if out is None:
         out = q.new_empty(q.shape)
-    if use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16):
+    if use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128):
         batch, num_heads, head_dim = q.shape
         num_kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
         if workspace is None:

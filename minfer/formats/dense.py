@@ -1,5 +1,5 @@
-"""Dense storage: the [N, K] matrix as it is. Decode (1..8 tokens) on a GPU runs minfer's GEMV;
-anything else goes through torch's F.linear."""
+"""Dense storage: the [N, K] matrix as it is. On a GPU with the minfer backend, decode (1..8 tokens)
+runs minfer's GEMV and longer inputs its HGEMM; anything else goes through torch's F.linear."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ class DenseWeight(WeightFormat):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // max(x.shape[-1], 1)
-        if (1 <= tokens <= ops.GEMV_MAX_TOKENS and x.dtype == self.weight.dtype
-                and x.dtype in (torch.float16, torch.bfloat16) and ops.use_kernels(x)):
-            return ops.gemv(x, self.weight)
+        n, k = self.weight.shape
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16) and ops.use_kernels(x):
+            if 1 <= tokens <= ops.GEMV_MAX_TOKENS:
+                return ops.gemv(x, self.weight)
+            if n % 8 == 0 and k % 8 == 0:
+                return ops.hgemm(x, self.weight)
         return F.linear(x, self.weight)
