@@ -153,16 +153,28 @@ def test_weight_forward_decode_and_prefill_paths(tokens):
     assert torch.equal(weight.to_dense(), matrix)
 
 
-def test_binding_rejects_bad_inputs():
-    matrix = sparse_matrix(8, 64, 0.5)
-    values, deltas, row_ptr = compress(matrix)
-    x = torch.randn(1, 64, device="cuda", dtype=torch.float16)
+def small_macko():
+    values, deltas, row_ptr = compress(sparse_matrix(8, 64, 0.5))
+    return values, deltas, row_ptr, torch.randn(1, 64, device="cuda", dtype=torch.float16)
+
+
+def test_binding_rejects_dtype_mismatch():
+    values, deltas, row_ptr, x = small_macko()
+    out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), torch.empty(1, 8, device="cuda"), 0, 0, -1, 1)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, 0, 0, -1, 1)
+
+
+def test_binding_rejects_wrong_out_shape():
+    values, deltas, row_ptr, x = small_macko()
+    out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, torch.empty(1, 9, device="cuda",
-                                                                           dtype=torch.float16), 0, 0, -1, 1)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, 0, 0, -1, 1)
+
+
+def test_binding_rejects_misaligned_values():
+    values, deltas, row_ptr, x = small_macko()
+    misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
+    out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, torch.empty(1, 8, device="cuda",
-                                                                                dtype=torch.float16), 0, 0, -1, 1)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, 1)
