@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer import formats  # noqa: E402
-from minfer.checkpoint import load_model, resolve  # noqa: E402
+from minfer.checkpoint import resolve  # noqa: E402
 from minfer.config import ALIASES  # noqa: E402
 from minfer.demo import DEMO_NAME  # noqa: E402
 from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator  # noqa: E402
 from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
 from minfer.sampling import SamplingParams  # noqa: E402
+from minfer.sparsity import cli as sparsity_cli  # noqa: E402
 from minfer.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
 
 DEFAULT_PROMPT = "The harbour town wakes before the sun does."
@@ -64,6 +65,7 @@ def build_parser() -> Parser:
     model.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                        help=f"context length: KV cache positions for prompt + generated tokens "
                             f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
+    sparsity_cli.add_arguments(parser)
     text = parser.add_argument_group("generation")
     text.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
     text.add_argument("--chat", action="store_true",
@@ -108,9 +110,8 @@ def run(args: argparse.Namespace) -> int:
         if config.vocab_size > tokenizer.vocab_size:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
-    model = load_model(resolved, dtype, device, seed=args.seed)
-    if formats.format_class(args.sparse) is not formats.DenseWeight:
-        formats.convert(model, args.sparse)
+    model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
+    sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note)
     generator = Generator(model, tokenizer, max_seq_len, device)
 
     if args.json:

@@ -198,6 +198,10 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device
     model = Transformer(resolved.config)
     if resolved.path is None:
         return random_init(model, seed, dtype, device)
+    from .sparsity.compressed import is_compressed, load_compressed
+
+    if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats
+        return load_compressed(model, resolved.path, dtype, device)
     return load_weights(model, resolved.path, dtype, device)
 
 

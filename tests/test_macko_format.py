@@ -5,6 +5,7 @@ import torch
 
 from minfer import ops
 from minfer.errors import FormatError
+from minfer.formats import convert
 from minfer.formats.macko import MackoWeight, compress, concat_rows
 
 
@@ -190,3 +191,61 @@ def test_bad_inputs_raise_format_errors():
         MackoWeight(values, deltas[:-1], row_ptr, shape=(8, 8))
     with pytest.raises(FormatError, match="past column"):
         ops.macko_decompress_reference(values, deltas, row_ptr, 4)
+
+
+# --- compressed checkpoints -----------------------------------------------------------------------
+
+def tiny_pruned_model(dtype):
+    from minfer.checkpoint import random_init
+    from minfer.config import ModelConfig
+    from minfer.model import Transformer
+    from minfer.sparsity import prune_model_
+
+    config = ModelConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                         intermediate_size=48, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=32, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = random_init(Transformer(config), seed=3, dtype=dtype, device="cpu")
+    return prune_model_(model, 0.3, progress=False)
+
+
+def logits(model):
+    model.setup_caches(1, 16)
+    with torch.no_grad():
+        return model(torch.arange(1, 9)[None], torch.arange(8), kv_len=8)
+
+
+def test_save_and_load_compressed_round_trip(tmp_path):
+    from minfer.checkpoint import ResolvedModel, load_model
+    from minfer.sparsity.compressed import is_compressed, save_compressed
+
+    model = convert(tiny_pruned_model(torch.float16), "macko")
+    folder = save_compressed(model, tmp_path / "compressed")
+    assert is_compressed(folder) and not is_compressed(tmp_path)
+    resolved = ResolvedModel("tiny", model.config, folder, folder / "tokenizer.model", is_random=False)
+    loaded = load_model(resolved, torch.float16, "cpu")
+    for (name, a), (_, b) in zip(model.projections(), loaded.projections()):
+        assert isinstance(b.fmt, MackoWeight), name
+        assert_same_arrays((b.fmt.values, b.fmt.deltas, b.fmt.row_ptr), (a.fmt.values, a.fmt.deltas, a.fmt.row_ptr))
+    assert torch.equal(logits(model), logits(loaded))
+
+
+def test_load_reference_tool_checkpoint(tmp_path):
+    """The reference script's layout: HF names, `.weight` -> `.c_0`..`.c_4`, written by torch.save."""
+    from minfer.checkpoint import hf_state_dict
+    from minfer.model import Transformer
+    from minfer.sparsity.compressed import load_reference_macko
+
+    model = tiny_pruned_model(torch.float16)
+    state = {}
+    for name, tensor in hf_state_dict(model).items():
+        if "self_attn" in name or "mlp" in name:
+            values, deltas, row_ptr = compress(tensor.contiguous())
+            for i, part in enumerate((values, deltas, row_ptr, *tensor.shape)):
+                state[name.replace("weight", f"c_{i}")] = part
+        else:
+            state[name] = tensor.clone()
+    torch.save(state, tmp_path / "llama_compressed")
+    loaded = load_reference_macko(Transformer(model.config), tmp_path / "llama_compressed", torch.float16, "cpu")
+    for (name, dense), (_, sparse) in zip(model.projections(), loaded.projections()):
+        assert_same_arrays((sparse.fmt.values, sparse.fmt.deltas, sparse.fmt.row_ptr), compress(dense.fmt.weight))
+    assert torch.equal(logits(convert(model, "macko")), logits(loaded))

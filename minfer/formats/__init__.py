@@ -29,7 +29,8 @@ def convert(model: nn.Module, spec: str, **options) -> nn.Module:
     """
     cls = format_class(spec)
     for _, linear in model.projections():
-        linear.set_format(cls.from_dense(linear.fmt.to_dense(), **options))
+        if not isinstance(linear.fmt, cls):  # already in this format (e.g. loaded compressed)
+            linear.set_format(cls.from_dense(linear.fmt.to_dense(), **options))
     return model
 
 

@@ -1,0 +1,173 @@
+"""Compressed checkpoints: prune and compress once, then start fast.
+
+A compressed folder holds config.json, the tokenizer, and one model.safetensors with every tensor
+under its minfer name (`layers.0.self_attn.qkv_proj.fmt.values`, ..., `embed_tokens.weight`) plus a
+metadata entry `minfer_formats`: JSON mapping each projection to its format and shape. It loads like
+any checkpoint folder (`--model DIR`): the projections are built in their formats on the meta
+device, allocated once on the target device, and filled from the memory-mapped file.
+
+Checkpoints written by the reference tool's compression script (macko_spmv's
+`util_compress_llm.py`: HF names with `.weight` replaced by `.c_0` ... `.c_4` = values, deltas,
+row_ptr, rows, cols) load with `load_reference_macko`. That script writes them with `torch.save`;
+they are read with `torch.load(weights_only=True)`, which refuses anything but tensors and plain
+containers. A safetensors file with the same keys works too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..formats import FORMATS, DenseWeight, MackoWeight
+from ..formats.macko import concat_rows
+
+METADATA_KEY = "minfer_formats"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None) -> Path:
+    """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)} for name, linear in model.projections()}
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.checkpoint_tensors().items()}
+    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    if tokenizer_path is not None:
+        shutil.copyfile(tokenizer_path, folder / Path(tokenizer_path).name)
+    return folder
+
+
+def _layout(folder: Path) -> dict | None:
+    from safetensors import safe_open
+
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        return None
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
+    return json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
+
+
+def is_compressed(folder: str | Path) -> bool:
+    """True when `folder` holds a checkpoint written by `save_compressed`."""
+    return _layout(Path(folder)) is not None
+
+
+def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str], where: str,
+          dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Swap in `formats` (built on meta), allocate the model once, then copy every tensor from
+    `read(name)`; `names` must be exactly the tensors the model holds."""
+    for name, linear in model.projections():
+        if name in formats:
+            linear.set_format(formats[name])
+    model.materialize(device, dtype)
+    targets = model.checkpoint_tensors()
+    missing, unexpected = sorted(set(targets) - names), sorted(names - set(targets))
+    if missing or unexpected:
+        what = f"lacks {missing[0]}" if missing else f"has unexpected {unexpected[0]}"
+        raise CheckpointError(f"{where} {what}; was it written for this model's config?")
+    with torch.no_grad():
+        for name, target in targets.items():
+            source = read(name)
+            if tuple(source.shape) != tuple(target.shape):
+                raise CheckpointError(f"tensor {name} in {where} has shape {tuple(source.shape)}, "
+                                      f"expected {tuple(target.shape)}")
+            target.copy_(source)
+    return model
+
+
+def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Fill a meta-built Transformer from a folder written by `save_compressed`."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    layout = _layout(folder)
+    if layout is None:
+        raise CheckpointError(f"{folder} is not a minfer compressed checkpoint (no {METADATA_KEY} metadata)")
+    file = folder / WEIGHTS_FILE
+    with ExitStack() as stack:
+        f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        formats = {}
+        for name, linear in model.projections():
+            entry = layout.get(name)
+            if entry is None:
+                raise CheckpointError(f"{file} has no projection {name}; was it written for this model's config?")
+            if tuple(entry["shape"]) != linear.fmt.shape:
+                raise CheckpointError(f"{name} in {file} has shape {tuple(entry['shape'])}, expected {linear.fmt.shape}")
+            if entry["format"] == MackoWeight.name:
+                padded = f.get_slice(f"{name}.fmt.values").get_shape()[0]
+                formats[name] = MackoWeight.empty(linear.fmt.shape, padded, dtype, "meta")
+            elif entry["format"] != DenseWeight.name:
+                known = ", ".join(sorted(FORMATS))
+                raise CheckpointError(f"{name} in {file} uses format {entry['format']!r}; loadable: {known}")
+        return _fill(model, formats, f.get_tensor, set(f.keys()), str(file), dtype, device)
+
+
+def _reference_tensors(file: Path) -> dict[str, torch.Tensor | int]:
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return dict(load_file(str(file)))
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(f"{file} is not a macko_spmv compressed checkpoint readable without pickle code "
+                              f"execution ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} holds a {type(state).__name__}, not a dict of tensors")
+    return state
+
+
+def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
+                         device: torch.device | str) -> nn.Module:
+    """Fill a meta-built Transformer from the reference tool's compressed checkpoint: its q/k/v and
+    gate/up matrices are stacked into minfer's fused projections (concatenating MACKO rows equals
+    compressing the stacked matrix), everything else is copied by HF name."""
+    from ..checkpoint import hf_tensor_map
+
+    file = Path(file)
+    state = _reference_tensors(file)
+    layout = hf_tensor_map(model.config)
+    parts: dict[str, list] = {}
+    for hf_name, (target, row, shape) in layout.items():
+        if not target.endswith(".fmt.weight") or target.startswith("lm_head"):
+            continue
+        keys = [hf_name.removesuffix("weight") + f"c_{i}" for i in range(5)]
+        if any(k not in state for k in keys):
+            raise CheckpointError(f"{file} lacks {next(k for k in keys if k not in state)}; the reference "
+                                  "compressor stores <name>.c_0 ... .c_4 for every attention and MLP weight")
+        rows, cols = (int(state[k]) for k in keys[3:])
+        if (rows, cols) != shape:
+            raise CheckpointError(f"{keys[0]} in {file} is {rows}x{cols}, expected {shape[0]}x{shape[1]}")
+        parts.setdefault(target.removesuffix(".weight"), []).append((row, [state[k] for k in keys[:3]]))
+    formats = {}
+    fused: dict[str, tuple[torch.Tensor, ...]] = {}
+    for fmt_name, pieces in parts.items():
+        arrays = concat_rows([tuple(p) for _, p in sorted(pieces, key=lambda item: item[0])])
+        fused[fmt_name] = arrays
+        name = fmt_name.removesuffix(".fmt")
+        shape = dict(model.projections())[name].fmt.shape
+        formats[name] = MackoWeight.empty(shape, arrays[0].numel(), dtype, "meta")
+    names = {f"{n}.{b}" for n in fused for b in ("values", "deltas", "row_ptr")}
+    dense = {target: hf_name for hf_name, (target, _, _) in layout.items() if not target.endswith(".fmt.weight")
+             or target.startswith("lm_head")}
+
+    def read(name: str) -> torch.Tensor:
+        if name in dense:
+            return state[dense[name]]
+        fmt_name, buffer = name.rsplit(".", 1)
+        return fused[fmt_name][("values", "deltas", "row_ptr").index(buffer)]
+
+    return _fill(model, formats, read, names | set(dense), str(file), dtype, device)
