@@ -1,8 +1,9 @@
 """The MACKO kernel study: SpMV against every baseline, the launch-configuration sweep, SpMM and
 decompression, on Llama-2-7B shapes pruned per row to densities 0.1-0.9.
 
-    python -m minfer.bench.macko_suite --json out/macko.json            # everything
+    python -m minfer.bench.macko_suite --json out/macko.json            # every kernel section
     python -m minfer.bench.macko_suite --sections spmv --densities 0.5  # one section, one density
+    python -m minfer.bench.macko_suite --sections e2e --plot out/e2e.png  # llama2-7b decode per density
 
 Graph-capturable ops run back to back in a CUDA graph over copies rotated past L2
 (`timing.time_graph`); torch CSR and the dense reference (decompress, then F.linear) sync or
@@ -25,7 +26,8 @@ from . import report
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
-SECTIONS = ("spmv", "sweep", "spmm", "decompress")
+SECTIONS = ("spmv", "sweep", "spmm", "decompress")  # kernel sections; "e2e" runs the model
+E2E_DENSITIES = (1.0, 0.7, 0.5, 0.3, 0.1)
 DENSITIES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SWEEP_DENSITIES = (0.1, 0.3, 0.5, 0.7)
 SWEEP = [dict(steps=s, warps_per_block=w, x_in_smem=m) for s in (1, 2) for w in (4, 8, 16) for m in (1, 0)]
@@ -51,6 +53,11 @@ COLUMNS = {
     "decompress": [report.Column(*c) for c in [
         ("shape", "shape"), ("density", "d", "{:.1f}"), ("minfer_ms", "ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"),
         ("pct_copy", "% copy", "{:.1f}")]],
+    "e2e": [report.Column(*c) for c in [
+        ("model", "model"), ("format", "weights"), ("weight_gb", "weights GB", "{:.2f}"),
+        ("decode_tok_s", "decode tok/s", "{:.1f}"), ("vs_dense", "vs dense", "{:.2f}x"),
+        ("weight_gb_s", "weights GB/s", "{:.0f}"), ("pct_copy", "% copy", "{:.1f}"),
+        ("prefill_ms", "prefill ms", "{:.1f}"), ("peak_mem_gb", "peak GB", "{:.2f}")]],
 }
 
 
@@ -142,6 +149,8 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
         on_row: Callable[[str, dict], None] = lambda section, row: None) -> tuple[float, dict[str, list[dict]]]:
     copy_gbs = copy_bandwidth_gbs()
     results: dict[str, list[dict]] = {s: [] for s in sections}
+    if not sections:
+        return copy_gbs, results
 
     def emit(section, row):
         results[section].append(row)
@@ -176,6 +185,58 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
     return copy_gbs, results
 
 
+def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dtype: torch.dtype, copy_gbs: float,
+             on_row: Callable[[str, dict], None]) -> list[dict]:
+    """Decode speed and memory of a random-weight model, dense and pruned by magnitude to each density
+    then stored as MACKO, on minfer's kernels (batch 1, the same prompt, EOS off)."""
+    import gc
+
+    from ..formats import convert
+    from ..sparsity import prune_model_
+    from . import e2e_suite
+
+    rows, dense_tok_s = [], None
+    for density in densities:
+        model = e2e_suite.build_model(model_name, dtype)
+        if density < 1.0:
+            prune_model_(model, density, "magnitude", progress=False)
+            convert(model, "macko")
+            torch.cuda.empty_cache()
+        prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
+                                   generator=torch.Generator().manual_seed(0)).tolist()
+        weight_gb = model.decode_weight_bytes() / 1e9
+        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        dense_tok_s = dense_tok_s or (stats["decode_tok_s"] if density == 1.0 else None)
+        row = {"model": model_name, "density": density, "format": "dense" if density == 1.0 else f"macko d={density}",
+               "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs,
+               "vs_dense": stats["decode_tok_s"] / dense_tok_s if dense_tok_s else None}
+        rows.append(row)
+        on_row("e2e", {**row, "shape": model_name, "minfer_ms": 1e3 / stats["decode_tok_s"]})
+    return rows
+
+
+def plot_e2e(path: str, rows: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    densities = [r["density"] for r in rows]
+    speed.plot(densities, [r["decode_tok_s"] for r in rows], "o-")
+    speed.set(xlabel="density (1.0 = dense)", ylabel="decode tokens/s", title="decode speed")
+    memory.plot(densities, [r["peak_mem_gb"] for r in rows], "o-", label="peak during generation")
+    memory.plot(densities, [r["weight_gb"] for r in rows], "s--", label="weights")
+    memory.set(xlabel="density (1.0 = dense)", ylabel="GB", title="memory")
+    memory.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minfer.bench.macko_suite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -183,13 +244,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None, help="comma list of NxK (default: the Llama-2-7B shapes)")
     parser.add_argument("--densities", default=None, help="comma list (default: 0.1,...,0.9)")
     parser.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
+    parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="e2e: write a PNG of decode speed and memory per density")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the MACKO study needs a CUDA GPU", file=sys.stderr)
         return 2
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - {*SECTIONS, "e2e"}
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else LLAMA2_7B_SHAPES
@@ -204,7 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # rewritten after every row, so a run cut short keeps what it measured
             report.write_json(args.json, env, done)
 
-    copy_gbs, results = run(sections, shapes, densities, replays=args.reps, on_row=on_row)
+    kernel_sections = [s for s in sections if s != "e2e"]
+    copy_gbs, results = run(kernel_sections, shapes, densities, replays=args.reps, on_row=on_row)
+    if "e2e" in sections:
+        done["e2e"] = []
+        results["e2e"] = e2e_rows(args.model, [float(d) for d in args.densities.split(",")] if args.densities
+                                  else E2E_DENSITIES, args.prompt_tokens, args.new_tokens, torch.float16, copy_gbs,
+                                  on_row)
+        if args.plot:
+            plot_e2e(args.plot, results["e2e"], f"{args.model}, random weights pruned by magnitude, batch 1, "
+                                                f"{env.get('device')}")
     env["copy_gbs"] = round(copy_gbs, 1)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     for section, rows in results.items():
