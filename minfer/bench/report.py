@@ -112,7 +112,7 @@ def plot(path: str | Path, env: dict, kernel_rows: list[dict], e2e_rows: list[di
             ax.set_yticks(list(y), labels)
             ax.axvline(100.0, color="black", linewidth=0.8)
             ax.set_xlabel("% of device copy bandwidth")
-            ax.legend(loc="lower right")
+            ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
             ax.invert_yaxis()
         else:
             labels = [f"{r['backend']} {r['phase']}" for r in e2e_rows]
