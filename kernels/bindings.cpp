@@ -254,7 +254,7 @@ void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
-                      int64_t num_splits) {
+                      int64_t num_splits, int64_t stages) {
     TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.stride(2) == 1,
                 "minfer.decode_attention: q must be a CUDA [B, Hq, D] tensor with a contiguous last dim");
     check_cuda_contiguous(k_cache, "k_cache");
@@ -299,7 +299,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     minfer::launch_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                                     input_pos.data_ptr<int64_t>(), (float)scale, out.data_ptr(),
                                     workspace.data_ptr<float>(), batch, q_heads, kv_heads, head_dim, max_seq_len,
-                                    (int)num_splits, dtype_of(q), current_stream());
+                                    (int)num_splits, (int)stages, dtype_of(q), current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -315,7 +315,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");
     m.def("rope_write_kv(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor input_pos, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
-    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, Tensor(a!) out, Tensor(b!) workspace, int num_splits) -> ()");
+    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, Tensor(a!) out, Tensor(b!) workspace, int num_splits, int stages=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {

@@ -18,8 +18,9 @@ constexpr int kRows = kDecodeAttnStepRows;
 constexpr int kWarps = kDecodeAttnWarps;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRoundRows = kRows * kWarps;   // a block's share is a multiple of this
-constexpr int kWarpRingBytes = 32 * 1024;    // K/V bytes a warp keeps in flight or in use
-constexpr int kMaxStages = 8;
+constexpr int kWarpRingBytes = 32 * 1024;    // default K/V bytes a warp keeps in flight or in use
+constexpr int kMaxStages = 12;
+constexpr int kMergeBatch = 8;               // partials loaded together by the final merge
 constexpr float kLog2e = 1.4426950408889634f;
 
 // ---- sm_80+ PTX: cp.async, ldmatrix, mma.sync ----
@@ -50,7 +51,11 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
         case 3: cp_async_wait<3>(); break;
         case 4: cp_async_wait<4>(); break;
         case 5: cp_async_wait<5>(); break;
-        default: cp_async_wait<6>(); break;
+        case 6: cp_async_wait<6>(); break;
+        case 7: cp_async_wait<7>(); break;
+        case 8: cp_async_wait<8>(); break;
+        case 9: cp_async_wait<9>(); break;
+        default: cp_async_wait<10>(); break;
     }
 }
 
@@ -314,38 +319,37 @@ __global__ void __launch_bounds__(kThreads)
     if (!block_is_last) return;
     __threadfence();
 
-    float* weights = reinterpret_cast<float*>(smem);  // [G][n_live], then 1 / sum per head
-    float* inv_sum = weights + G * n_live;
-    for (int g = warp; g < G; g += kWarps) {
-        const float* lse = part_lse + ((int64_t)b * q_heads + h * G + g) * splits;
-        float mx = -INFINITY;
-        for (int s = lane; s < n_live; s += 32) mx = fmaxf(mx, __ldcg(lse + s));
-        mx = warp_max(mx);
-        float sum = 0.0f;
-        for (int s = lane; s < n_live; s += 32) {
-            const float w = exp2f(__ldcg(lse + s) - mx);
-            weights[g * n_live + s] = w;
-            sum += w;
-        }
-        sum = warp_sum(sum);
-        if (lane == 0) inv_sum[g] = 1.0f / sum;
-    }
-    __syncthreads();
+    // One pass over the splits: each thread rescales its running sum as it meets a larger
+    // log-sum-exp, so the partials and their weights come back in a single round of loads.
     for (int idx = threadIdx.x; idx < G * (D / 4); idx += kThreads) {
         const int g = idx / (D / 4), d4 = idx % (D / 4);
         const int64_t hq = (int64_t)b * q_heads + h * G + g;
+        const float* lse = part_lse + hq * splits;
         const float4* src = reinterpret_cast<const float4*>(part_o + hq * splits * D) + d4;
+        float mx = -INFINITY, sum = 0.0f;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-        for (int s = 0; s < n_live; ++s) {
-            const float w = weights[g * n_live + s];
-            const float4 v = __ldcg(src + s * (D / 4));
-            acc.x += w * v.x;
-            acc.y += w * v.y;
-            acc.z += w * v.z;
-            acc.w += w * v.w;
+        for (int s0 = 0; s0 < n_live; s0 += kMergeBatch) {
+            float lse_s[kMergeBatch];
+            float4 part[kMergeBatch];
+#pragma unroll
+            for (int j = 0; j < kMergeBatch; ++j) {
+                const bool live_split = s0 + j < n_live;
+                lse_s[j] = live_split ? __ldcg(lse + s0 + j) : -INFINITY;
+                part[j] = live_split ? __ldcg(src + (s0 + j) * (D / 4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int j = 0; j < kMergeBatch; ++j) {
+                const float m_new = fmaxf(mx, lse_s[j]);  // finite: split s0 is live
+                const float alpha = exp2f(mx - m_new), w = exp2f(lse_s[j] - m_new);
+                acc.x = acc.x * alpha + w * part[j].x;
+                acc.y = acc.y * alpha + w * part[j].y;
+                acc.z = acc.z * alpha + w * part[j].z;
+                acc.w = acc.w * alpha + w * part[j].w;
+                sum = sum * alpha + w;
+                mx = m_new;
+            }
         }
-        const float inv = inv_sum[g];
+        const float inv = 1.0f / sum;
         T* dst = out + hq * D + 4 * d4;
         dst[0] = from_float<T>(acc.x * inv);
         dst[1] = from_float<T>(acc.y * inv);
@@ -357,13 +361,14 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int D>
 void launch_typed(const void* q, const void* k_cache, const void* v_cache, const int64_t* input_pos, void* out,
-                  float* workspace, int batch, int splits, const AttnParams& base, cudaStream_t stream) {
+                  float* workspace, int batch, int splits, int stages, const AttnParams& base, cudaStream_t stream) {
     constexpr int kStageBytes = 2 * kRows * D * (int)sizeof(T);
     int device = 0, max_smem = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     AttnParams p = base;
-    p.stages = std::max(2, std::min({kWarpRingBytes / kStageBytes, kMaxStages, max_smem / (kWarps * kStageBytes)}));
+    const int wanted = stages > 0 ? stages : kWarpRingBytes / kStageBytes;
+    p.stages = std::max(2, std::min({wanted, kMaxStages, max_smem / (kWarps * kStageBytes)}));
     const int smem = kWarps * p.stages * kStageBytes;
     const auto kernel = decode_attention_kernel<T, D>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -374,11 +379,12 @@ void launch_typed(const void* q, const void* k_cache, const void* v_cache, const
 
 template <typename T>
 void launch_dim(int64_t head_dim, const void* q, const void* k_cache, const void* v_cache, const int64_t* input_pos,
-                void* out, float* workspace, int batch, int splits, const AttnParams& p, cudaStream_t stream) {
+                void* out, float* workspace, int batch, int splits, int stages, const AttnParams& p,
+                cudaStream_t stream) {
     if (head_dim == 64)
-        launch_typed<T, 64>(q, k_cache, v_cache, input_pos, out, workspace, batch, splits, p, stream);
+        launch_typed<T, 64>(q, k_cache, v_cache, input_pos, out, workspace, batch, splits, stages, p, stream);
     else
-        launch_typed<T, 128>(q, k_cache, v_cache, input_pos, out, workspace, batch, splits, p, stream);
+        launch_typed<T, 128>(q, k_cache, v_cache, input_pos, out, workspace, batch, splits, stages, p, stream);
 }
 
 }  // namespace
@@ -386,15 +392,16 @@ void launch_dim(int64_t head_dim, const void* q, const void* k_cache, const void
 void launch_decode_attention(const void* q, int64_t q_batch_stride, int64_t q_head_stride, const void* k_cache,
                              const void* v_cache, const int64_t* input_pos, float scale, void* out, float* workspace,
                              int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t max_seq_len, int splits, DType dtype, cudaStream_t stream) {
+                             int64_t max_seq_len, int splits, int stages, DType dtype, cudaStream_t stream) {
     if (batch == 0) return;
     const AttnParams p{q_batch_stride, q_head_stride, max_seq_len, (int)q_heads, (int)kv_heads,
                        (int)(q_heads / kv_heads), 0, scale * kLog2e};
     if (dtype == DType::kBFloat16)
-        launch_dim<__nv_bfloat16>(head_dim, q, k_cache, v_cache, input_pos, out, workspace, (int)batch, splits, p,
-                                  stream);
+        launch_dim<__nv_bfloat16>(head_dim, q, k_cache, v_cache, input_pos, out, workspace, (int)batch, splits,
+                                  stages, p, stream);
     else
-        launch_dim<half>(head_dim, q, k_cache, v_cache, input_pos, out, workspace, (int)batch, splits, p, stream);
+        launch_dim<half>(head_dim, q, k_cache, v_cache, input_pos, out, workspace, (int)batch, splits, stages, p,
+                         stream);
 }
 
 }  // namespace minfer

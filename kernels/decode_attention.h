@@ -24,9 +24,11 @@ inline int64_t decode_attention_workspace_floats(int64_t batch, int64_t q_heads,
 // positions, so one captured launch stays valid as L grows. The last block of each KV head to
 // finish merges the partial results. k_cache/v_cache: [B, Hkv, max_seq_len, D]; q: [B, Hq, D] with
 // strides (q_batch_stride, q_head_stride, 1); out: contiguous [B, Hq, D]. float16/bfloat16, D 64 or 128.
+// `stages`: 16-position steps each warp keeps in its shared-memory ring (0 = the default; clamped
+// to 2 .. what fits the device).
 void launch_decode_attention(const void* q, int64_t q_batch_stride, int64_t q_head_stride, const void* k_cache,
                              const void* v_cache, const int64_t* input_pos, float scale, void* out, float* workspace,
                              int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                             int64_t max_seq_len, int splits, DType dtype, cudaStream_t stream);
+                             int64_t max_seq_len, int splits, int stages, DType dtype, cudaStream_t stream);
 
 }  // namespace minfer

@@ -359,6 +359,20 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed.to(x.dtype)
 
 
+RMS_NORM_MAX_HIDDEN = {torch.float16: 16384, torch.bfloat16: 16384, torch.float32: 8192}  # kernels/rms_norm.h
+
+
+def _check_rms_norm_row(x: torch.Tensor, weight: torch.Tensor) -> None:
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise MinferError(f"rms_norm needs a {x.dtype} weight of shape ({hidden},), got {weight.dtype} "
+                          f"{tuple(weight.shape)}")
+    if hidden > RMS_NORM_MAX_HIDDEN.get(x.dtype, 0) or (hidden > 8192 and hidden % 8):
+        raise MinferError(f"the rms_norm kernel holds rows of up to {RMS_NORM_MAX_HIDDEN.get(x.dtype, 0)} "
+                          f"{x.dtype} elements (8192 when not a multiple of 8), got {hidden}; "
+                          "set_backend('torch') runs the reference")
+
+
 @fake_impl("minfer::rms_norm")
 def _rms_norm_fake(x, weight, eps, out):
     return None
@@ -369,6 +383,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     if out is None:
         out = torch.empty_like(x)
     if use_kernels(x):
+        _check_rms_norm_row(x, weight)
         torch.ops.minfer.rms_norm(x, weight, eps, out)
     else:
         out.copy_(rms_norm_reference(x, weight, eps))
@@ -387,6 +402,7 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     if out is None:
         out = torch.empty_like(x)
     if use_kernels(x):
+        _check_rms_norm_row(x, weight)
         torch.ops.minfer.add_rms_norm(residual, x, weight, eps, out)
     else:
         residual.add_(x)
@@ -491,7 +507,7 @@ def _decode_attention_workspace_splits(workspace: torch.Tensor, batch: int, num_
 
 
 @fake_impl("minfer::decode_attention")
-def _decode_attention_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits):
+def _decode_attention_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages=0):
     return None
 
 
@@ -502,14 +518,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     input_pos is an int64 device tensor of one element, so a captured graph stays valid as the
     context grows. float16/bfloat16 with D 64 or 128 run the CUDA kernel, which reads each KV head
-    once for all its query heads; float32 runs the reference (for parity tests). `workspace` comes
-    from decode_attention_workspace(); without one, each call allocates its own.
+    once for all its query heads; float32 and other head dims run the reference (parity tests, tiny
+    models). `workspace` comes from decode_attention_workspace(); without one, each call allocates.
     """
     if out is None:
         out = q.new_empty(q.shape)
     if use_kernels(q) and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128):
         batch, num_heads, head_dim = q.shape
         num_kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+        if num_heads % num_kv_heads or num_heads > 16 * num_kv_heads:
+            raise MinferError(f"the decode_attention kernel takes 1..16 query heads per KV head, got Hq={num_heads}, "
+                              f"Hkv={num_kv_heads}; set_backend('torch') runs the reference")
         if workspace is None:
             workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device)
         splits = _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)

@@ -128,11 +128,13 @@ def test_cuda_graph_replay_as_the_context_grows(dtype):
 
 
 @requires_cuda
-def test_rejects_unsupported_head_dim():
+def test_other_head_dims_run_the_reference_and_large_groups_are_refused():
     q, k_cache, v_cache, pos = problem(1, 4, 2, 96, 64, 10, torch.float16)
-    workspace = ops.decode_attention_workspace(1, 4, 2, 96, 64, "cuda", num_splits=2)
-    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
-        ops.decode_attention(q, k_cache, v_cache, pos, 0.1, workspace=workspace)
+    out = ops.decode_attention(q, k_cache, v_cache, pos, 0.1)
+    assert rel_error(out, attention64(q, k_cache, v_cache, 10, 0.1)) < TOLERANCE[torch.float16]
+    q, k_cache, v_cache, pos = problem(1, 34, 2, 64, 64, 10, torch.float16)
+    with pytest.raises(MinferError, match="1..16 query heads"):
+        ops.decode_attention(q, k_cache, v_cache, pos, 0.1)
 
 
 @requires_cuda
