@@ -147,7 +147,7 @@ void macko_decompress(const at::Tensor& values, const at::Tensor& deltas, const 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, c10::string_view kernel) {
+void run_hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::string& kernel) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
@@ -163,11 +163,17 @@ void hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, c10::strin
                 "minfer.hgemm: float16 or bfloat16 only, got ", w.scalar_type());
     TORCH_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.hgemm: tensors on different devices");
     const c10::cuda::CUDAGuard guard(w.device());
-    const std::string name(kernel);
     const char* error = minfer::launch_hgemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, dtype_of(w),
-                                             name.c_str(), current_stream());
+                                             kernel.c_str(), current_stream());
     TORCH_CHECK(error == nullptr, "minfer.hgemm: ", error);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) { run_hgemm(x, w, out, "auto"); }
+
+// The same with the kernel pinned by name (kernels/hgemm.h), for tests and benchmarks.
+void hgemm_kernel(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, c10::string_view kernel) {
+    run_hgemm(x, w, out, std::string(kernel));
 }
 
 // ---- fused decode ops: rms_norm, add_rms_norm, rope_write_kv, decode_attention (kernels/rms_norm.h, rope.h,
@@ -308,7 +314,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out) -> ()");
-    m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out, str kernel=\"auto\") -> ()");
+    m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
+    m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
     m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps=0, int warps_per_block=0, int x_in_smem=-1, int pipeline=1) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
@@ -322,6 +329,7 @@ TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("gemv", &gemv);
     m.impl("hgemm", &hgemm);
+    m.impl("hgemm_kernel", &hgemm_kernel);
     m.impl("argmax", &argmax);
     m.impl("macko_spmv", &macko_spmv);
     m.impl("macko_decompress", &macko_decompress);

@@ -208,7 +208,12 @@ def hgemm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @fake_impl("minfer::hgemm")
-def _hgemm_fake(x, w, out, kernel="auto"):
+def _hgemm_fake(x, w, out):
+    return None
+
+
+@fake_impl("minfer::hgemm_kernel")
+def _hgemm_kernel_fake(x, w, out, kernel):
     return None
 
 
@@ -230,7 +235,11 @@ def hgemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, ker
         if n % 8 or k % 8:
             raise FormatError(f"hgemm needs N and K to be multiples of 8, got N={n}, K={k}; pad the weight with zeros")
         dst = out if _rows_aligned(out) else torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        torch.ops.minfer.hgemm(_aligned_copy(x.reshape(-1, k)), _aligned_copy(w), dst.view(-1, n), kernel)
+        args = (_aligned_copy(x.reshape(-1, k)), _aligned_copy(w), dst.view(-1, n))
+        if kernel == "auto":
+            torch.ops.minfer.hgemm(*args)
+        else:
+            torch.ops.minfer.hgemm_kernel(*args, kernel)
         if dst is not out:
             out.copy_(dst)
     else:
