@@ -482,8 +482,8 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str) -> int:
-    """Splits per (batch, KV head) that give each SM one block: the kernel keeps 128 KB of K/V per block
-    in shared memory, so one block per SM is resident and more splits only add merge work."""
+    """Splits per (batch, KV head) that give each SM one block; on the H100, 2x and 3x as many were
+    slower at every context tried (more merge work, no more bandwidth)."""
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
     most_useful = -(-max_seq_len // DECODE_ATTENTION_SPLIT_ROWS)
     return max(1, min(sms // (batch * num_kv_heads), most_useful, DECODE_ATTENTION_MAX_SPLITS))

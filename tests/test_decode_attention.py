@@ -1,5 +1,5 @@
 """Decode attention (split-K flash-decoding, GQA) against float64 SDPA: odd live lengths, every
-split count, strided q, CUDA-graph replay with the position advancing, and opcheck."""
+split count and ring depth, strided q, CUDA-graph replay with the position advancing, and opcheck."""
 
 import math
 
@@ -93,6 +93,19 @@ def test_every_split_count(num_splits, live):
     out, workspace = run_kernel(q, k_cache, v_cache, pos, 0.125, num_splits=num_splits)
     assert rel_error(out, attention64(q, k_cache, v_cache, live, 0.125)) < TOLERANCE[torch.float16]
     assert counters_at_rest(workspace, 1, 2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stages", [2, 3, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_ring_depth(head_dim, stages):
+    """The shared-memory ring's depth is a launch knob; each depth must give the same attention."""
+    live = 2500
+    q, k_cache, v_cache, pos = problem(1, 8, 2, head_dim, 2600, live, torch.bfloat16)
+    workspace = ops.decode_attention_workspace(1, 8, 2, head_dim, 2600, "cuda", num_splits=5)
+    out = torch.full_like(q, float("nan"))
+    torch.ops.minfer.decode_attention(q, k_cache, v_cache, pos, 0.125, out, workspace, 5, stages)
+    assert rel_error(out, attention64(q, k_cache, v_cache, live, 0.125)) < TOLERANCE[torch.bfloat16]
 
 
 @requires_cuda
