@@ -490,10 +490,10 @@ __global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uin
 // Host side
 // ---------------------------------------------------------------------------------------------
 
-// Defaults from the launch sweep on an H100 (docs/perf-notes.md, "MACKO").
+// Defaults from the launch sweep on an H100 (docs/perf-notes.md, "MACKO"): 2 steps per stage,
+// 16 warps per block, x in shared memory whenever it fits.
 constexpr int kDefaultSteps = 2;
 constexpr int kDefaultWarpsPerBlock = 16;
-constexpr int kMaxColsForSmemX = 8192;  // longer x: gathering from L1/L2 beat staging it (one token)
 constexpr int kDecompressWarpsPerBlock = 8;
 
 struct DeviceLimits {
@@ -596,9 +596,8 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     int per_pass = 1;
     while (per_pass < tokens && per_pass < 16) per_pass *= 2;
     while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
-    const bool fits = per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin;
-    bool x_in_smem = tuning.x_in_smem == 1 ? fits : tuning.x_in_smem == 0 ? false : fits && (per_pass > 1 || cols <= kMaxColsForSmemX);
-    if (!x_in_smem) per_pass = 1;
+    const bool x_in_smem = tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
+    if (!x_in_smem) per_pass = 1;  // the global-x path takes one token per pass
     const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
     // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
     const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block

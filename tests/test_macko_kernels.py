@@ -154,6 +154,7 @@ def test_weight_forward_decode_and_prefill_paths(tokens):
 
 
 def small_macko():
+    ops.build()  # these tests call torch.ops.minfer directly
     values, deltas, row_ptr = compress(sparse_matrix(8, 64, 0.5))
     return values, deltas, row_ptr, torch.randn(1, 64, device="cuda", dtype=torch.float16)
 
