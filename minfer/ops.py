@@ -333,6 +333,8 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
     knobs for benchmarks, the defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs
     the reference kernel's schedule (one step loaded then decoded, x gathered from global memory).
+    The op's schema has no defaults (a defaulted argument segfaulted another op on the device), so
+    this wrapper passes every knob.
     """
     if out is None:
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
