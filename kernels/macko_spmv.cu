@@ -439,7 +439,8 @@ struct DecompressConsumer {
         row_out = out + (int64_t)row * cols;
         dst = ROW_IN_SMEM ? row_buffer : row_out;
         if (ROW_IN_SMEM || vector_rows) {  // the shared row is padded to whole vectors
-            for (int c = lane * 8; c < cols; c += kWarpSize * 8) *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
+            for (int c = lane * 8; c < cols; c += kWarpSize * 8)
+                *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
         } else {
             for (int c = lane; c < cols; c += kWarpSize) dst[c] = 0;
         }
@@ -596,7 +597,8 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     int per_pass = 1;
     while (per_pass < tokens && per_pass < 16) per_pass *= 2;
     while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
-    const bool x_in_smem = tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
+    const bool x_in_smem =
+        tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
     if (!x_in_smem) per_pass = 1;  // the global-x path takes one token per pass
     const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
     // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
@@ -606,10 +608,8 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens, warps,
                                                         stream);
-    if (steps == 1)
-        launch_spmv_steps<T, 1>(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
-    else
-        launch_spmv_steps<T, 2>(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
+    auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
+    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
 }
 
 }  // namespace

@@ -34,7 +34,8 @@ def walk_compress(matrix: torch.Tensor):
 
 def assert_same_arrays(got, expected):
     for name, g, e in zip(("values", "deltas", "row_ptr"), got, expected):
-        assert g.dtype == e.dtype and g.shape == e.shape, f"{name}: {g.dtype} {tuple(g.shape)} vs {e.dtype} {tuple(e.shape)}"
+        assert g.dtype == e.dtype and g.shape == e.shape, \
+            f"{name}: {g.dtype} {tuple(g.shape)} vs {e.dtype} {tuple(e.shape)}"
         if g.is_floating_point():  # bit patterns, so -0.0 and padding +0.0 count too
             g, e = g.view(torch.int16), e.view(torch.int16)
         assert torch.equal(g, e), f"{name} differs:\n{g}\n{e}"

@@ -10,7 +10,8 @@ from tests.conftest import requires_cuda
 pytestmark = requires_cuda
 
 DENSITIES = [0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
-TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1) for s in (1, 2) for w in (4, 8, 16) for m in (0, 1)]
+TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1)
+           for s in (1, 2) for w in (4, 8, 16) for m in (0, 1)]
 TUNINGS.append(dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0))  # the reference kernel's schedule
 
 
@@ -73,7 +74,8 @@ def test_bf16_and_fp16(dtype, tokens):
     assert relative_error(out, matrix, x) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
-@pytest.mark.parametrize("tuning", TUNINGS, ids=lambda t: "s{steps}w{warps_per_block}m{x_in_smem}p{pipeline}".format(**t))
+@pytest.mark.parametrize("tuning", TUNINGS,
+                         ids=lambda t: "s{steps}w{warps_per_block}m{x_in_smem}p{pipeline}".format(**t))
 def test_every_launch_configuration(tuning):
     matrix = sparse_matrix(517, 1531, 0.35, seed=11, uneven=True)
     matrix[100:140] = 0  # a run of empty rows

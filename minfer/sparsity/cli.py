@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(keys <name>.c_0 ... c_4); config and tokenizer come from --model")
 
 
-def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argparse.Namespace, seed: int = 0) -> nn.Module:
+def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argparse.Namespace,
+               seed: int = 0) -> nn.Module:
     """The model `resolved` names (compressed folders included), or one filled from --macko-reference."""
     from ..checkpoint import load_model as load_checkpoint
     from ..model import Transformer

@@ -37,7 +37,8 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)} for name, linear in model.projections()}
+    layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)}
+              for name, linear in model.projections()}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.checkpoint_tensors().items()}
     save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
     (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
@@ -105,7 +106,8 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
             if entry is None:
                 raise CheckpointError(f"{file} has no projection {name}; was it written for this model's config?")
             if tuple(entry["shape"]) != linear.fmt.shape:
-                raise CheckpointError(f"{name} in {file} has shape {tuple(entry['shape'])}, expected {linear.fmt.shape}")
+                raise CheckpointError(f"{name} in {file} has shape {tuple(entry['shape'])}, "
+                                      f"expected {linear.fmt.shape}")
             if entry["format"] == MackoWeight.name:
                 padded = f.get_slice(f"{name}.fmt.values").get_shape()[0]
                 formats[name] = MackoWeight.empty(linear.fmt.shape, padded, dtype, "meta")

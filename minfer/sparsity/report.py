@@ -62,5 +62,6 @@ def format_report(reports: list[BlockReport], model: nn.Module | None = None) ->
                  f"({stored / max(dense, 1):.3f}x)")
     if model is not None:
         after = model.decode_weight_bytes()
-        lines.append(f"model weights read per token: {(after - stored + dense) / 1e9:.3f} GB dense -> {after / 1e9:.3f} GB")
+        lines.append(f"model weights read per token: {(after - stored + dense) / 1e9:.3f} GB dense -> "
+                     f"{after / 1e9:.3f} GB")
     return "\n".join(lines)
