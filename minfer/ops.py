@@ -95,13 +95,16 @@ def build(verbose: bool = False) -> Path:
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
     log = out / "build.log"
+    # torch 2.11 no longer passes its std::string ABI; a host compiler that defaults to the old one
+    # builds a binding whose formatted TORCH_CHECK messages crash the process when they cross into libc10.
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     try:
         cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(p) for p in kernel_sources()],
             extra_include_paths=[str(KERNEL_DIR)],
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+            extra_cflags=["-O3", "-std=c++17", abi],
+            extra_cuda_cflags=["-O3", "-std=c++17", abi, "-lineinfo", "--expt-relaxed-constexpr"],
             build_directory=str(out),
             is_python_module=False,
             verbose=verbose,
