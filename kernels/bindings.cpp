@@ -6,6 +6,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
 #include "activation.h"
 #include "argmax.h"
 #include "gemv.h"
@@ -19,18 +23,61 @@ namespace {
 
 using minfer::DType;
 
+// Error text for MINFER_CHECK, built in a fixed buffer with snprintf. On the device image, a
+// TORCH_CHECK whose message streamed an integer (c10::str) crashed the process instead of
+// raising; literal-only messages raised cleanly, so every check hands torch a plain C string.
+struct CheckMessage {
+    char text[512] = {};
+    size_t used = 0;
+
+    void add(const char* s) { append("%s", s); }
+    void add(const std::string& s) { add(s.c_str()); }
+    void add(int64_t v) { append("%lld", static_cast<long long>(v)); }
+    void add(c10::ScalarType t) { add(c10::toString(t)); }
+    void add(c10::IntArrayRef dims) {
+        add("[");
+        for (size_t i = 0; i < dims.size(); ++i) {
+            if (i) add(", ");
+            add(dims[i]);
+        }
+        add("]");
+    }
+
+    template <typename... Args>
+    void append(const char* format, Args... args) {
+        if (used + 1 >= sizeof(text)) return;
+        const int n = std::snprintf(text + used, sizeof(text) - used, format, args...);
+        if (n > 0) used = std::min(sizeof(text) - 1, used + static_cast<size_t>(n));
+    }
+};
+
+template <typename... Args>
+CheckMessage check_message(const Args&... args) {
+    CheckMessage message;
+    (message.add(args), ...);
+    return message;
+}
+
+#define MINFER_CHECK(cond, ...)                                                     \
+    do {                                                                            \
+        if (!(cond)) {                                                              \
+            const CheckMessage minfer_check_message_ = check_message(__VA_ARGS__);  \
+            TORCH_CHECK(false, static_cast<const char*>(minfer_check_message_.text)); \
+        }                                                                           \
+    } while (0)
+
 DType dtype_of(const at::Tensor& t) {
     switch (t.scalar_type()) {
         case at::kHalf: return DType::kFloat16;
         case at::kBFloat16: return DType::kBFloat16;
         case at::kFloat: return DType::kFloat32;
-        default: TORCH_CHECK(false, "minfer: unsupported dtype ", t.scalar_type(), " (float16, bfloat16, float32)");
+        default: MINFER_CHECK(false, "minfer: unsupported dtype ", t.scalar_type(), " (float16, bfloat16, float32)");
     }
 }
 
 void check_cuda_contiguous(const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda(), "minfer: ", name, " must be a CUDA tensor");
-    TORCH_CHECK(t.is_contiguous(), "minfer: ", name, " must be contiguous");
+    MINFER_CHECK(t.is_cuda(), "minfer: ", name, " must be a CUDA tensor");
+    MINFER_CHECK(t.is_contiguous(), "minfer: ", name, " must be contiguous");
 }
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
@@ -38,10 +85,10 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
 void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
     check_cuda_contiguous(gate_up, "gate_up");
     check_cuda_contiguous(out, "out");
-    TORCH_CHECK(gate_up.scalar_type() == out.scalar_type(), "minfer.silu_mul: dtype mismatch");
+    MINFER_CHECK(gate_up.scalar_type() == out.scalar_type(), "minfer.silu_mul: dtype mismatch");
     const int64_t inter = out.size(-1);
-    TORCH_CHECK(gate_up.size(-1) == 2 * inter, "minfer.silu_mul: gate_up last dim must be 2x out's");
-    TORCH_CHECK(gate_up.numel() == 2 * out.numel(), "minfer.silu_mul: leading dims differ");
+    MINFER_CHECK(gate_up.size(-1) == 2 * inter, "minfer.silu_mul: gate_up last dim must be 2x out's");
+    MINFER_CHECK(gate_up.numel() == 2 * out.numel(), "minfer.silu_mul: leading dims differ");
     const c10::cuda::CUDAGuard guard(gate_up.device());
     minfer::launch_silu_mul(gate_up.data_ptr(), out.data_ptr(), out.numel() / inter, inter, dtype_of(out),
                             current_stream());
@@ -52,18 +99,18 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
-    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.gemv: expects x [T, K], w [N, K], out [T, N]");
+    MINFER_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.gemv: expects x [T, K], w [N, K], out [T, N]");
     const int64_t tokens = x.size(0), k = x.size(1), n = w.size(0);
-    TORCH_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, "minfer.gemv: takes 1..", minfer::kGemvMaxTokens,
+    MINFER_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, "minfer.gemv: takes 1..", minfer::kGemvMaxTokens,
                 " tokens, got ", tokens, "; use a GEMM for more");
-    TORCH_CHECK(w.size(1) == k, "minfer.gemv: x has K=", k, " but w has K=", w.size(1));
-    TORCH_CHECK(out.size(0) == tokens && out.size(1) == n, "minfer.gemv: out must be [", tokens, ", ", n, "]");
-    TORCH_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, "minfer.gemv: N and K must be in 1..2^31-1");
-    TORCH_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
+    MINFER_CHECK(w.size(1) == k, "minfer.gemv: x has K=", k, " but w has K=", w.size(1));
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == n, "minfer.gemv: out must be [", tokens, ", ", n, "]");
+    MINFER_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, "minfer.gemv: N and K must be in 1..2^31-1");
+    MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
                 "minfer.gemv: x, w and out must share one dtype");
-    TORCH_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
+    MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
                 "minfer.gemv: float16 or bfloat16 only, got ", w.scalar_type());
-    TORCH_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.gemv: tensors on different devices");
+    MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.gemv: tensors on different devices");
     const c10::cuda::CUDAGuard guard(w.device());
     minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -72,11 +119,11 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
 void argmax(const at::Tensor& logits, at::Tensor& out) {
     check_cuda_contiguous(logits, "logits");
     check_cuda_contiguous(out, "out");
-    TORCH_CHECK(logits.dim() == 2, "minfer.argmax: expects logits [B, V]");
-    TORCH_CHECK(out.dim() == 1 && out.size(0) == logits.size(0), "minfer.argmax: out must be [B]");
-    TORCH_CHECK(out.scalar_type() == at::kLong, "minfer.argmax: out must be int64");
-    TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= INT32_MAX, "minfer.argmax: V must be in 1..2^31-1");
-    TORCH_CHECK(logits.device() == out.device(), "minfer.argmax: tensors on different devices");
+    MINFER_CHECK(logits.dim() == 2, "minfer.argmax: expects logits [B, V]");
+    MINFER_CHECK(out.dim() == 1 && out.size(0) == logits.size(0), "minfer.argmax: out must be [B]");
+    MINFER_CHECK(out.scalar_type() == at::kLong, "minfer.argmax: out must be int64");
+    MINFER_CHECK(logits.size(1) >= 1 && logits.size(1) <= INT32_MAX, "minfer.argmax: V must be in 1..2^31-1");
+    MINFER_CHECK(logits.device() == out.device(), "minfer.argmax: tensors on different devices");
     if (logits.size(0) == 0) return;
     const c10::cuda::CUDAGuard guard(logits.device());
     minfer::launch_argmax(logits.data_ptr(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1),
@@ -89,19 +136,19 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
     check_cuda_contiguous(values, "values");
     check_cuda_contiguous(deltas, "deltas");
     check_cuda_contiguous(row_ptr, "row_ptr");
-    TORCH_CHECK(values.dim() == 1 && deltas.dim() == 1 && row_ptr.dim() == 1, op, ": values, deltas, row_ptr must be 1-D");
-    TORCH_CHECK(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16, op,
+    MINFER_CHECK(values.dim() == 1 && deltas.dim() == 1 && row_ptr.dim() == 1, op, ": values, deltas, row_ptr must be 1-D");
+    MINFER_CHECK(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16, op,
                 ": values must be float16 or bfloat16, got ", values.scalar_type());
-    TORCH_CHECK(deltas.scalar_type() == at::kByte, op, ": deltas must be uint8");
-    TORCH_CHECK(row_ptr.scalar_type() == at::kInt, op, ": row_ptr must be int32");
-    TORCH_CHECK(values.numel() % 8 == 0 && deltas.numel() * 2 == values.numel(), op,
+    MINFER_CHECK(deltas.scalar_type() == at::kByte, op, ": deltas must be uint8");
+    MINFER_CHECK(row_ptr.scalar_type() == at::kInt, op, ": row_ptr must be int32");
+    MINFER_CHECK(values.numel() % 8 == 0 && deltas.numel() * 2 == values.numel(), op,
                 ": values must hold a multiple of 8 entries and deltas half as many bytes");
-    TORCH_CHECK(values.numel() < INT32_MAX && row_ptr.numel() >= 1 && row_ptr.numel() <= INT32_MAX, op,
+    MINFER_CHECK(values.numel() < INT32_MAX && row_ptr.numel() >= 1 && row_ptr.numel() <= INT32_MAX, op,
                 ": the matrix is too large for int32 indices");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0 &&
+    MINFER_CHECK(reinterpret_cast<uintptr_t>(values.data_ptr()) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(deltas.data_ptr()) % 4 == 0,
                 op, ": values must be 16-byte and deltas 4-byte aligned (clone them)");
-    TORCH_CHECK(deltas.device() == values.device() && row_ptr.device() == values.device(), op,
+    MINFER_CHECK(deltas.device() == values.device() && row_ptr.device() == values.device(), op,
                 ": tensors on different devices");
 }
 
@@ -110,16 +157,16 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
-    TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.macko_spmv: expects x [T, K] and out [T, N]");
+    MINFER_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.macko_spmv: expects x [T, K] and out [T, N]");
     const int64_t rows = row_ptr.numel() - 1, cols = x.size(1), tokens = x.size(0);
-    TORCH_CHECK(out.size(0) == tokens && out.size(1) == rows, "minfer.macko_spmv: out must be [", tokens, ", ", rows, "]");
-    TORCH_CHECK(cols <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
-    TORCH_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == rows, "minfer.macko_spmv: out must be [", tokens, ", ", rows, "]");
+    MINFER_CHECK(cols <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
+    MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
                 "minfer.macko_spmv: values, x and out must share one dtype");
-    TORCH_CHECK(x.device() == values.device() && out.device() == values.device(),
+    MINFER_CHECK(x.device() == values.device() && out.device() == values.device(),
                 "minfer.macko_spmv: tensors on different devices");
-    TORCH_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
-    TORCH_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
+    MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
+    MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::MackoTuning tuning;
@@ -136,11 +183,11 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
 void macko_decompress(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, at::Tensor& out) {
     check_macko(values, deltas, row_ptr, "minfer.macko_decompress");
     check_cuda_contiguous(out, "out");
-    TORCH_CHECK(out.dim() == 2 && out.size(0) == row_ptr.numel() - 1,
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == row_ptr.numel() - 1,
                 "minfer.macko_decompress: out must be [rows, cols] with rows = row_ptr.numel() - 1");
-    TORCH_CHECK(out.size(1) <= INT32_MAX, "minfer.macko_decompress: too many columns");
-    TORCH_CHECK(out.scalar_type() == values.scalar_type(), "minfer.macko_decompress: out must have the values' dtype");
-    TORCH_CHECK(out.device() == values.device(), "minfer.macko_decompress: tensors on different devices");
+    MINFER_CHECK(out.size(1) <= INT32_MAX, "minfer.macko_decompress: too many columns");
+    MINFER_CHECK(out.scalar_type() == values.scalar_type(), "minfer.macko_decompress: out must have the values' dtype");
+    MINFER_CHECK(out.device() == values.device(), "minfer.macko_decompress: tensors on different devices");
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::launch_macko_decompress(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
                                     out.data_ptr(), out.size(0), out.size(1), dtype_of(values), current_stream());
@@ -151,21 +198,21 @@ void run_hgemm(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const 
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
-    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.hgemm: expects x [M, K], w [N, K], out [M, N]");
+    MINFER_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.hgemm: expects x [M, K], w [N, K], out [M, N]");
     const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-    TORCH_CHECK(w.size(1) == k, "minfer.hgemm: x has K=", k, " but w has K=", w.size(1));
-    TORCH_CHECK(out.size(0) == m && out.size(1) == n, "minfer.hgemm: out must be [", m, ", ", n, "]");
-    TORCH_CHECK(n % 8 == 0 && k % 8 == 0, "minfer.hgemm: N and K must be multiples of 8, got N=", n, ", K=", k,
+    MINFER_CHECK(w.size(1) == k, "minfer.hgemm: x has K=", k, " but w has K=", w.size(1));
+    MINFER_CHECK(out.size(0) == m && out.size(1) == n, "minfer.hgemm: out must be [", m, ", ", n, "]");
+    MINFER_CHECK(n % 8 == 0 && k % 8 == 0, "minfer.hgemm: N and K must be multiples of 8, got N=", n, ", K=", k,
                 "; pad the weight (and x) with zeros to the next multiple of 8");
-    TORCH_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
+    MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
                 "minfer.hgemm: x, w and out must share one dtype");
-    TORCH_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
+    MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
                 "minfer.hgemm: float16 or bfloat16 only, got ", w.scalar_type());
-    TORCH_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.hgemm: tensors on different devices");
+    MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.hgemm: tensors on different devices");
     const c10::cuda::CUDAGuard guard(w.device());
     const char* error = minfer::launch_hgemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, dtype_of(w),
                                              kernel.c_str(), current_stream());
-    TORCH_CHECK(error == nullptr, "minfer.hgemm: ", error);
+    MINFER_CHECK(error == nullptr, "minfer.hgemm: ", error);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -185,14 +232,14 @@ void run_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Ten
     check_cuda_contiguous(weight, "weight");
     check_cuda_contiguous(out, "out");
     const int64_t hidden = x.size(-1);
-    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden, op, ": weight must be [", hidden, "]");
-    TORCH_CHECK(out.sizes() == x.sizes(), op, ": out must have x's shape ", x.sizes());
-    TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,
+    MINFER_CHECK(weight.dim() == 1 && weight.size(0) == hidden, op, ": weight must be [", hidden, "]");
+    MINFER_CHECK(out.sizes() == x.sizes(), op, ": out must have x's shape ", x.sizes());
+    MINFER_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), op,
                 ": x, weight and out must share one dtype");
-    TORCH_CHECK(weight.device() == x.device() && out.device() == x.device(), op, ": tensors on different devices");
+    MINFER_CHECK(weight.device() == x.device() && out.device() == x.device(), op, ": tensors on different devices");
     if (residual != nullptr) {
         check_cuda_contiguous(*residual, "residual");
-        TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+        MINFER_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
                         residual->device() == x.device(),
                     op, ": residual must match x in shape, dtype and device");
     }
@@ -201,7 +248,7 @@ void run_rms_norm(const at::Tensor& x, const at::Tensor* residual, const at::Ten
     const bool launched = minfer::launch_rms_norm(x.data_ptr(), residual ? residual->data_ptr() : nullptr,
                                                   weight.data_ptr(), out.data_ptr(), x.numel() / hidden, hidden,
                                                   (float)eps, dtype_of(x), current_stream());
-    TORCH_CHECK(launched, op, ": rows of ", hidden, " elements are longer than the kernel holds (16384 fp16/bf16, ",
+    MINFER_CHECK(launched, op, ": rows of ", hidden, " elements are longer than the kernel holds (16384 fp16/bf16, ",
                 "8192 fp32 or unaligned)");
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -215,7 +262,7 @@ void add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w
 }
 
 minfer::TokenHeadStrides token_head_strides(const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.stride(3) == 1, "minfer.rope_write_kv: ", name,
+    MINFER_CHECK(t.is_cuda() && t.dim() == 4 && t.stride(3) == 1, "minfer.rope_write_kv: ", name,
                 " must be a CUDA [B, T, H, D] tensor with a contiguous last dim");
     return {t.stride(0), t.stride(1), t.stride(2)};
 }
@@ -230,24 +277,24 @@ void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
     check_cuda_contiguous(v_cache, "v_cache");
     const int64_t batch = q.size(0), tokens = q.size(1), q_heads = q.size(2), head_dim = q.size(3);
     const int64_t kv_heads = k.size(2);
-    TORCH_CHECK(head_dim % 2 == 0, "minfer.rope_write_kv: head_dim must be even, got ", head_dim);
-    TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(1) == tokens && k.size(3) == head_dim,
+    MINFER_CHECK(head_dim % 2 == 0, "minfer.rope_write_kv: head_dim must be even, got ", head_dim);
+    MINFER_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(1) == tokens && k.size(3) == head_dim,
                 "minfer.rope_write_kv: k and v must be [", batch, ", ", tokens, ", Hkv, ", head_dim, "]");
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == batch &&
+    MINFER_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == batch &&
                     k_cache.size(1) == kv_heads && k_cache.size(3) == head_dim,
                 "minfer.rope_write_kv: caches must be [", batch, ", ", kv_heads, ", S, ", head_dim, "]");
     const int64_t max_seq_len = k_cache.size(2);
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+    MINFER_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
                     cos.dim() == 2 && cos.size(1) == head_dim / 2 && cos.size(0) >= max_seq_len,
                 "minfer.rope_write_kv: cos and sin must be float32 [>= ", max_seq_len, ", ", head_dim / 2, "]");
-    TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.dim() == 1 && input_pos.size(0) == tokens,
+    MINFER_CHECK(input_pos.scalar_type() == at::kLong && input_pos.dim() == 1 && input_pos.size(0) == tokens,
                 "minfer.rope_write_kv: input_pos must be int64 [", tokens, "]");
     const auto dtype = q.scalar_type();
-    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
+    MINFER_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
                     v_cache.scalar_type() == dtype,
                 "minfer.rope_write_kv: q, k, v and the caches must share one dtype");
     const auto device = q.device();
-    TORCH_CHECK(k.device() == device && v.device() == device && cos.device() == device && sin.device() == device &&
+    MINFER_CHECK(k.device() == device && v.device() == device && cos.device() == device && sin.device() == device &&
                     input_pos.device() == device && k_cache.device() == device && v_cache.device() == device,
                 "minfer.rope_write_kv: tensors on different devices");
     const c10::cuda::CUDAGuard guard(device);
@@ -261,7 +308,7 @@ void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
                       int64_t num_splits, int64_t stages) {
-    TORCH_CHECK(q.is_cuda() && q.dim() == 3 && q.stride(2) == 1,
+    MINFER_CHECK(q.is_cuda() && q.dim() == 3 && q.stride(2) == 1,
                 "minfer.decode_attention: q must be a CUDA [B, Hq, D] tensor with a contiguous last dim");
     check_cuda_contiguous(k_cache, "k_cache");
     check_cuda_contiguous(v_cache, "v_cache");
@@ -269,36 +316,36 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     check_cuda_contiguous(out, "out");
     check_cuda_contiguous(workspace, "workspace");
     const int64_t batch = q.size(0), q_heads = q.size(1), head_dim = q.size(2);
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == batch &&
+    MINFER_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == batch &&
                     k_cache.size(3) == head_dim,
                 "minfer.decode_attention: caches must be [", batch, ", Hkv, S, ", head_dim, "]");
     const int64_t kv_heads = k_cache.size(1), max_seq_len = k_cache.size(2);
-    TORCH_CHECK(head_dim == 64 || head_dim == 128, "minfer.decode_attention: head_dim 64 or 128, got ", head_dim);
-    TORCH_CHECK(kv_heads >= 1 && q_heads % kv_heads == 0 && q_heads / kv_heads <= minfer::kDecodeAttnMaxGroup,
+    MINFER_CHECK(head_dim == 64 || head_dim == 128, "minfer.decode_attention: head_dim 64 or 128, got ", head_dim);
+    MINFER_CHECK(kv_heads >= 1 && q_heads % kv_heads == 0 && q_heads / kv_heads <= minfer::kDecodeAttnMaxGroup,
                 "minfer.decode_attention: Hq must be a multiple of Hkv, at most ", minfer::kDecodeAttnMaxGroup,
                 " times it; got Hq=", q_heads, ", Hkv=", kv_heads);
-    TORCH_CHECK(max_seq_len >= 1, "minfer.decode_attention: empty cache");
+    MINFER_CHECK(max_seq_len >= 1, "minfer.decode_attention: empty cache");
     const auto dtype = q.scalar_type();
-    TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+    MINFER_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
                 "minfer.decode_attention: float16 or bfloat16 only, got ", dtype);
-    TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+    MINFER_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
                 "minfer.decode_attention: q, caches and out must share one dtype");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % 16 == 0 &&
+    MINFER_CHECK(reinterpret_cast<uintptr_t>(k_cache.data_ptr()) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(v_cache.data_ptr()) % 16 == 0,
                 "minfer.decode_attention: caches must be 16-byte aligned");
-    TORCH_CHECK(input_pos.scalar_type() == at::kLong && input_pos.numel() == 1,
+    MINFER_CHECK(input_pos.scalar_type() == at::kLong && input_pos.numel() == 1,
                 "minfer.decode_attention: input_pos must be int64 with one element");
-    TORCH_CHECK(out.sizes() == q.sizes(), "minfer.decode_attention: out must be [", batch, ", ", q_heads, ", ",
+    MINFER_CHECK(out.sizes() == q.sizes(), "minfer.decode_attention: out must be [", batch, ", ", q_heads, ", ",
                 head_dim, "]");
-    TORCH_CHECK(num_splits >= 1 && num_splits <= minfer::kDecodeAttnMaxSplits,
+    MINFER_CHECK(num_splits >= 1 && num_splits <= minfer::kDecodeAttnMaxSplits,
                 "minfer.decode_attention: num_splits must be in 1..", minfer::kDecodeAttnMaxSplits);
     const int64_t need = minfer::decode_attention_workspace_floats(batch, q_heads, kv_heads, head_dim, num_splits);
-    TORCH_CHECK(workspace.scalar_type() == at::kFloat && workspace.numel() >= need &&
+    MINFER_CHECK(workspace.scalar_type() == at::kFloat && workspace.numel() >= need &&
                     reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 16 == 0,
                 "minfer.decode_attention: workspace must be zero-initialised float32 of >= ", need,
                 " elements (minfer.ops.decode_attention_workspace makes one)");
     const auto device = q.device();
-    TORCH_CHECK(k_cache.device() == device && v_cache.device() == device && input_pos.device() == device &&
+    MINFER_CHECK(k_cache.device() == device && v_cache.device() == device && input_pos.device() == device &&
                     out.device() == device && workspace.device() == device,
                 "minfer.decode_attention: tensors on different devices");
     const c10::cuda::CUDAGuard guard(device);
