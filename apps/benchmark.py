@@ -5,10 +5,13 @@ Examples:
   python apps/benchmark.py --suite kernels --ops gemv,argmax --json out/kernels.json --plot out/kernels.png
   python apps/benchmark.py --suite kernels --ops gemv --shapes 4096x11008,32000x4096 --reps 50
   python apps/benchmark.py --suite e2e --model llama2-7b --prompt-tokens 512 --new-tokens 256
+  python apps/benchmark.py --suite macko-e2e --densities 1.0,0.5,0.1 --plot out/macko.png
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
-suite times a random-weight model at batch 1 with minfer's kernels and with the plain-torch backend.
+suite times a random-weight model at batch 1 with minfer's kernels and with the plain-torch backend;
+the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, and reports decode
+speed and peak memory against dense (its plot goes next to --plot, suffixed -macko-e2e).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from minfer.bench import e2e_suite, kernel_suite, report  # noqa: E402
+from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 
@@ -35,7 +38,7 @@ def csv_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="apps/benchmark.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("kernels", "e2e", "all"), default="all")
+    parser.add_argument("--suite", choices=("kernels", "e2e", "macko-e2e", "all"), default="all")
     parser.add_argument("--ops", type=csv_list, default=None, metavar="A,B",
                         help=f"kernel ops to run (default: all of {', '.join(kernel_suite.registered_ops())})")
     parser.add_argument("--shapes", type=csv_list, default=None, metavar="NxK,...",
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
     parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
+    parser.add_argument("--densities", type=csv_list, default=None, metavar="D,...",
+                        help="macko-e2e: densities, 1.0 meaning dense (default: "
+                             f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)})")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of speedups and bandwidth")
     return parser
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     report.print_environment(env)
     kernel_rows: list[dict] = []
     e2e_rows: list[dict] = []
+    macko_rows: list[dict] = []
 
     if args.suite in ("kernels", "all"):
         copy_gbs, kernel_rows = kernel_suite.run(
@@ -68,18 +75,33 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         e2e_rows = e2e_suite.run(args.model, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"])
 
+    if args.suite in ("macko-e2e", "all"):
+        env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
+        densities = [float(d) for d in args.densities] if args.densities else macko_suite.E2E_DENSITIES
+        macko_rows = macko_suite.e2e_rows(
+            args.model, densities, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
+            on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True))
     print(f"device copy bandwidth: {env['copy_gbs']:.0f} GB/s (read + write)")
     if kernel_rows:
         report.print_table(f"kernels ({env.get('device')}, {args.dtype})", kernel_suite.COLUMNS, kernel_rows)
     if e2e_rows:
         report.print_table(f"end to end: {args.model}, random weights, batch 1, {args.prompt_tokens}-token prompt, "
                            f"{args.new_tokens} new tokens", e2e_suite.COLUMNS, e2e_rows)
+    if macko_rows:
+        report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1",
+                           macko_suite.COLUMNS["e2e"], macko_rows)
     if args.json:
-        report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows})
+        report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows})
         print(f"wrote {args.json}")
-    if args.plot:
+    if args.plot and (kernel_rows or e2e_rows):
         report.plot(args.plot, env, kernel_rows, e2e_rows)
         print(f"wrote {args.plot}")
+    if args.plot and macko_rows:
+        path = Path(args.plot)
+        path = path.with_name(f"{path.stem}-macko-e2e{path.suffix or '.png'}")
+        macko_suite.plot_e2e(str(path), macko_rows, f"{args.model}, random weights pruned by magnitude, batch 1, "
+                                                    f"{env.get('device')}")
+        print(f"wrote {path}")
     return 0
 
 
