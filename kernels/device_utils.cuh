@@ -40,6 +40,21 @@ __device__ __forceinline__ uint4 load_stream_16B(const void* ptr) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel whose weights never depend on the
+// previous kernel lets its successor launch early and waits only before it reads activations. Reads
+// after the wait must be coherent loads: ptxas may hoist read-only `.nc` loads above griddepcontrol.wait.
+__device__ __forceinline__ void allow_dependents_to_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace minfer

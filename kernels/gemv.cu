@@ -37,20 +37,6 @@ __device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&c)[4], uint32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Programmatic dependent launch (sm_90+): the weights never depend on the previous kernel, so a
-// GEMV may be scheduled while that kernel drains; it waits for it only before touching x and out.
-__device__ __forceinline__ void allow_dependents_to_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Coherent 16-byte load for data the previous kernel may have written: ptxas hoists `ld.global.nc`
 // above griddepcontrol.wait (it treats it as invariant), so x must not use the read-only path.
 __device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {

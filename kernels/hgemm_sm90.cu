@@ -422,6 +422,15 @@ int multiprocessors(int device) {
     return sms;
 }
 
+cudaLaunchAttribute cluster_dimension(int cluster) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = cluster;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    return attr;
+}
+
 // How many clusters of this kernel run at once (GPCs need not split evenly into pairs), asked once
 // per device so that no query runs while a CUDA graph is being captured.
 template <auto Kernel, int CLUSTER, int SMEM>
@@ -430,11 +439,7 @@ int resident_clusters(int device) {
     int clusters = cached[device].load(std::memory_order_relaxed);
     if (clusters == 0) {
         cudaLaunchConfig_t config = {};
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = CLUSTER;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
+        cudaLaunchAttribute attr = cluster_dimension(CLUSTER);
         config.gridDim = dim3(multiprocessors(device) / CLUSTER * CLUSTER);
         config.blockDim = dim3(kThreads);
         config.dynamicSmemBytes = SMEM;
@@ -465,11 +470,7 @@ const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int
     const int resident = CLUSTER > 1 ? resident_clusters<kernel, CLUSTER, Tile::kSmemBytes>(device)
                                      : multiprocessors(device);
     cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = CLUSTER;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
+    cudaLaunchAttribute attr = cluster_dimension(CLUSTER);
     config.gridDim = dim3(CLUSTER * (units < resident ? units : resident));  // persistent: one CTA per SM
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = Tile::kSmemBytes;

@@ -34,21 +34,6 @@ __device__ __forceinline__ uint32_t load_stream_4B(const uint32_t* ptr) {
     return r;
 }
 
-// Programmatic dependent launch (sm_90+): the weights and row_ptr never depend on the previous
-// kernel, so they are requested before waiting for it; x is read only after the wait, with
-// coherent loads (ptxas may hoist read-only `.nc` loads above griddepcontrol.wait).
-__device__ __forceinline__ void allow_dependents_to_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ uint32_t load_coherent_u16(const uint16_t* ptr) {
     unsigned short r;
     asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(ptr) : "memory");
