@@ -55,6 +55,16 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
+// Coherent 16-byte load for data the previous kernel may have written (see above: not `.nc`).
+__device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(ptr)
+                 : "memory");
+    return r;
+}
+
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace minfer

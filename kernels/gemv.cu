@@ -37,17 +37,6 @@ __device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&c)[4], uint32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Coherent 16-byte load for data the previous kernel may have written: ptxas hoists `ld.global.nc`
-// above griddepcontrol.wait (it treats it as invariant), so x must not use the read-only path.
-__device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {
-    uint4 r;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(ptr)
-                 : "memory");
-    return r;
-}
-
 // What lane (g, t) reads: rows g and g + 8 of its tile, and x of token g. Lanes past the last token
 // read token 0 instead: their B column only feeds output columns that are never stored.
 struct LaneRows {

@@ -40,15 +40,6 @@ __device__ __forceinline__ uint32_t load_coherent_u16(const uint16_t* ptr) {
     return r;
 }
 
-__device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {
-    uint4 r;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(ptr)
-                 : "memory");
-    return r;
-}
-
 template <typename T> __device__ __forceinline__ float bits_to_float(uint32_t bits);
 template <> __device__ __forceinline__ float bits_to_float<half>(uint32_t bits) {
     return __half2float(__ushort_as_half((unsigned short)bits));

@@ -6,15 +6,15 @@ class MinferError(Exception):
 
 
 class UnknownModelError(MinferError):
-    pass
+    """A model name that is no alias, HF repo id or local folder."""
 
 
 class CheckpointError(MinferError):
-    pass
+    """A missing, truncated or mismatched checkpoint file or tensor."""
 
 
 class ContextLengthError(MinferError):
-    pass
+    """A prompt (plus generation) longer than the context the model or cache allows."""
 
 
 class DeviceError(MinferError):
@@ -22,7 +22,7 @@ class DeviceError(MinferError):
 
 
 class KernelBuildError(MinferError):
-    pass
+    """The CUDA extension failed to compile or load; the message points at the build log."""
 
 
 class FormatError(MinferError):

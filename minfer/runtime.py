@@ -90,8 +90,8 @@ def available_bytes(device: torch.device) -> int | None:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    except OSError:  # no /proc on this system: cannot tell
+        return None
     return None
 
 
