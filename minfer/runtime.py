@@ -49,7 +49,7 @@ def context_length(config: ModelConfig, requested: int | None, prompt_tokens: in
     """KV cache positions: `requested`, or the model's limit capped at DEFAULT_MAX_SEQ_LEN; it must
     leave room for at least one generated token after the prompt."""
     limit = config.max_position_embeddings
-    max_seq_len = requested or min(limit, DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if requested is None else requested
     if not 1 < max_seq_len <= limit:
         raise ContextLengthError(f"--max-seq-len must be in [2, {limit}] for this model, got {max_seq_len}")
     if prompt_tokens >= max_seq_len:

@@ -105,6 +105,7 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
 
 @pytest.mark.parametrize("args, fragments", [
     (["--max-seq-len", "100000"], ["--max-seq-len must be in [2, 1024]"]),
+    (["--max-seq-len", "0"], ["--max-seq-len must be in [2, 1024]", "got 0"]),
     (["--dtype", "int8"], ["--dtype", "invalid choice"]),
     (["--sparse", "bogus"], ["--sparse", "invalid choice"]),
     (["--device", "tpu"], ["'tpu' is not"]),
