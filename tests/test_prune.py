@@ -113,6 +113,9 @@ def test_calibration_tokens_from_the_shipped_text_and_a_file(tmp_path):
     assert calibration_tokens(Chars(), 2, 30, text).view(-1).tolist() == [ord(c) for c in ("abc" * 20)]
     with pytest.raises(MinferError, match="fewer than"):
         calibration_tokens(Chars(), 3, 30, text)
+    for samples, seq_len in ((0, 30), (2, 0), (-1, 30)):
+        with pytest.raises(MinferError, match="at least 1 sample"):
+            calibration_tokens(Chars(), samples, seq_len, text)
 
 
 def test_generation_runs_after_pruning_and_compression():
