@@ -115,7 +115,10 @@ class Generator:
 
     def _capture(self, kv_len: int, params: SamplingParams) -> None:
         """Warm up (lazy library init) on a side stream, then capture one step. Only called before
-        a prefill, when the cache holds nothing that the warm-up step could spoil."""
+        a prefill, when the cache holds nothing that the warm-up step could spoil. The warm-up runs
+        at position 0: after an earlier generation `_pos` may sit at the end of the cache, where the
+        torch backend's RoPE table lookup and cache write index out of bounds (a device assert)."""
+        self._pos.zero_()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
