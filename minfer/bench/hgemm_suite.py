@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from minfer import ops
+from minfer.bench.report import environment
 from minfer.bench.timing import rotation_count, time_graph
 
 # (N, K) of the Llama-2-7B projections, q/k/v and gate/up fused as the model holds them.
@@ -75,23 +74,6 @@ def measure(case: HgemmCase, dtype: torch.dtype, kernels=("auto",), replays: int
     del xs, ws, ys
     torch.cuda.empty_cache()
     return result
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or os.environ.get("MINFER_COMMIT", "unknown")
-    except OSError:
-        return os.environ.get("MINFER_COMMIT", "unknown")
-
-
-def environment() -> dict:
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": _commit(),
-    }
 
 
 def format_table(results: list[dict], kernels) -> str:
