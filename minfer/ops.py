@@ -288,8 +288,6 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
 
     Entry k of a row sits one column after entry k-1 plus its own nibble (the first at its nibble).
     """
-    from .errors import FormatError
-
     if row_ptr.numel() == 0:
         raise FormatError("row_ptr must hold rows + 1 offsets, got an empty tensor")
     rows = row_ptr.numel() - 1
