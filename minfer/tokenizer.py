@@ -114,7 +114,8 @@ class _HFJson:
         self._tok = tokenizers.Tokenizer.from_file(str(path))
         special = _special_tokens(path.with_name("tokenizer_config.json"))
         self.bos_id, self.eos_id = (self._token_id(special.get(k), k) for k in ("bos_token", "eos_token"))
-        self.unk_id = self._tok.token_to_id(special.get("unk_token") or "") or self.eos_id
+        unk_id = self._tok.token_to_id(special.get("unk_token") or "")
+        self.unk_id = self.eos_id if unk_id is None else unk_id  # id 0 is a valid unk id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def _token_id(self, token: str | None, role: str) -> int:

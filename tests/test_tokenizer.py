@@ -128,3 +128,19 @@ def test_tokenizer_json_backend(tmp_path):
         assert ids[0] == 0 and tok.decode(ids) == text
         decoder = IncrementalDecoder(tok)
         assert "".join(decoder.feed(i) for i in ids) + decoder.flush() == text
+
+
+def test_tokenizer_json_unknown_token_with_id_zero(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = tokenizers.Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|begin|>", "<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(demo.corpus_lines(), trainer)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<|begin|>", "eos_token": "<|end|>", "unk_token": "<unk>"}')
+    tok = Tokenizer(tmp_path / "tokenizer.json")
+    assert (tok._backend.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
