@@ -140,6 +140,8 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise CheckpointError(f"config.json lacks the field {missing}; is this a Llama checkpoint?") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:  # null, non-numeric or zero fields
+            raise CheckpointError(f"config.json has a malformed field ({type(e).__name__}: {e})") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:

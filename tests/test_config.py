@@ -97,6 +97,13 @@ def test_missing_field_is_named():
         ModelConfig.from_hf(hf)
 
 
+@pytest.mark.parametrize("change", [{"hidden_size": None}, {"num_key_value_heads": "eight"},
+                                    {"num_attention_heads": 0}])
+def test_malformed_field_is_a_checkpoint_error(change):
+    with pytest.raises(CheckpointError, match="malformed field"):
+        ModelConfig.from_hf(tiny_hf(**change))
+
+
 def test_from_json(tmp_path):
     path = tmp_path / "config.json"
     with pytest.raises(CheckpointError, match="no config.json"):
