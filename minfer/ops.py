@@ -175,7 +175,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 GEMV_MAX_TOKENS = 8  # kernels/gemv.h: the tokens are the n = 8 side of the tensor-core tile
 
 
-def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T with fp32 accumulation, in x's dtype: the oracle of gemv and hgemm."""
     return (x.float() @ w.float().t()).to(x.dtype)
 
 
@@ -197,17 +198,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> t
     if use_kernels(x):
         torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]))
     else:
-        out.copy_(gemv_reference(x, w))
+        out.copy_(linear_reference(x, w))
     return out
 
 
 HGEMM_KERNELS = ("auto", "sm80", "sm80_64x128", "sm80_128x128",
                  "sm90", "sm90_128x64", "sm90_128x128", "sm90_128x192", "sm90_128x256",
                  "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2")
-
-
-def hgemm_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (x.float() @ w.float().t()).to(x.dtype)
 
 
 @fake_impl("minfer::hgemm")
@@ -246,7 +243,7 @@ def hgemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, ker
         if dst is not out:
             out.copy_(dst)
     else:
-        out.copy_(hgemm_reference(x, w))
+        out.copy_(linear_reference(x, w))
     return out
 
 
@@ -282,6 +279,11 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 MACKO_SPMM_MAX_TOKENS = 16  # kernels/macko.h: up to 16 tokens share one pass over the weights
 
 
+def unpack_nibbles(deltas: torch.Tensor, stored: int) -> torch.Tensor:
+    """The first `stored` nibbles of a packed MACKO deltas array (low nibble first), one per uint8."""
+    return torch.stack((deltas & 15, deltas >> 4), dim=1).reshape(-1)[:stored]
+
+
 def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
                                cols: int) -> torch.Tensor:
     """The dense [rows, cols] matrix of a MACKO-16-4 triple (shared/FORMATS.md), vectorized.
@@ -296,7 +298,7 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
     if stored > values.numel() or 2 * deltas.numel() < stored:
         raise FormatError(f"row_ptr ends at {stored} entries but values holds {values.numel()} "
                           f"and deltas {2 * deltas.numel()}: the MACKO arrays are inconsistent")
-    nibbles = torch.stack((deltas & 15, deltas >> 4), dim=1).reshape(-1)[:stored].long()
+    nibbles = unpack_nibbles(deltas, stored).long()
     ends = torch.cat((nibbles.new_zeros(1), (nibbles + 1).cumsum(0)))  # ends[k]: columns used by entries < k
     row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), starts.diff(), output_size=stored)
     col_of = ends[1:] - 1 - ends[starts[:-1]][row_of]

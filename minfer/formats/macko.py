@@ -73,18 +73,13 @@ def compress(weight: torch.Tensor) -> MackoArrays:
     return _pack(torch.cat(values), torch.cat(nibbles), torch.cat(counts))
 
 
-def unpack_nibbles(deltas: torch.Tensor, stored: int) -> torch.Tensor:
-    """The first `stored` nibbles of a packed deltas array, one per uint8."""
-    return torch.stack((deltas & 15, deltas >> 4), dim=1).reshape(-1)[:stored]
-
-
 def concat_rows(parts: list[MackoArrays]) -> MackoArrays:
     """The MACKO arrays of the matrices stacked row-wise (equal to compressing the stacked matrix)."""
     values, nibbles, counts = [], [], []
     for part_values, part_deltas, part_row_ptr in parts:
         stored = int(part_row_ptr[-1])
         values.append(part_values[:stored])
-        nibbles.append(unpack_nibbles(part_deltas, stored))
+        nibbles.append(ops.unpack_nibbles(part_deltas, stored))
         counts.append(part_row_ptr.diff().long())
     return _pack(torch.cat(values), torch.cat(nibbles), torch.cat(counts))
 
