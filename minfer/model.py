@@ -33,6 +33,11 @@ from .kv_cache import KVCache
 # ----------------------------------------------------------------------------------------------
 
 
+def decodes_with_kernel(seq_len: int, cache: KVCache, like: torch.Tensor) -> bool:
+    """One token per sequence over a GPU cache runs the split-K decode kernel, which needs no mask."""
+    return seq_len == 1 and cache.attention_workspace is not None and ops.use_kernels(like)
+
+
 def attention(q: torch.Tensor, cache: KVCache, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """q [B,T,Hq,D] attends to cache positions [0, kv_len), with the additive mask [T, kv_len]
@@ -43,7 +48,7 @@ def attention(q: torch.Tensor, cache: KVCache, input_pos: torch.Tensor, kv_len: 
     A single decode token on the GPU runs minfer's split-K flash-decoding kernel, which reads the
     live length from input_pos on the device (kv_len and mask are then unused).
     """
-    if q.shape[1] == 1 and cache.attention_workspace is not None and ops.use_kernels(q):
+    if decodes_with_kernel(q.shape[1], cache, q):
         out = ops.decode_attention(q[:, 0], cache.k_cache, cache.v_cache, input_pos, scale,
                                    workspace=cache.attention_workspace)
         return out.unsqueeze(1)
@@ -265,7 +270,10 @@ class Transformer(nn.Module):
             raise MinferError("call setup_caches(max_batch_size, max_seq_len) before running the model")
         kv_len = self.max_seq_len if kv_len is None else kv_len
         mask = None
-        if tokens.shape[1] != kv_len:  # built once here rather than converted from bool in every layer
+        needs_mask = tokens.shape[1] != kv_len
+        if needs_mask and len(self.layers):
+            needs_mask = not decodes_with_kernel(tokens.shape[1], self.layers[0].self_attn.kv_cache, self.rope_cos)
+        if needs_mask:  # built once here rather than converted from bool in every layer
             visible = self.positions[:kv_len] <= input_pos[:, None]
             mask = torch.where(visible, 0.0, float("-inf")).to(self.embed_tokens.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .errors import MinferError
 
 
@@ -62,8 +63,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (int64), on the logits' device, without a host sync."""
     if params.greedy:
-        return torch.argmax(logits, dim=-1)
+        return ops.argmax(logits)
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     # A zero draw would turn an excluded token's 0/0 into NaN, which argmax would pick.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
-    return torch.argmax(probs / race, dim=-1)
+    return ops.argmax(probs / race)
