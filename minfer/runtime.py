@@ -71,13 +71,15 @@ class MemoryEstimate:
 
 def estimate_memory(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, batch_size: int = 1) -> MemoryEstimate:
     """Bytes a dense model needs to generate with a `max_seq_len` cache. The largest activation is
-    a full-context prefill: its hidden states, MLP intermediates and fp32 logits."""
-    per_token = (4 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize + config.vocab_size * 4
+    a full-context prefill: its hidden states and MLP intermediates, plus the last position's logits
+    (prefill computes no others) in the model dtype and in fp32 for sampling."""
+    per_token = (4 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize
+    logits = batch_size * config.vocab_size * (dtype.itemsize + 4)
     return MemoryEstimate(
         weights=config.weight_bytes(dtype),
         kv_cache=kv_cache_bytes(config.num_layers, batch_size, config.num_kv_heads, max_seq_len, config.head_dim,
                                 dtype),
-        activations=batch_size * max_seq_len * per_token,
+        activations=batch_size * max_seq_len * per_token + logits,
     )
 
 

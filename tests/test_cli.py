@@ -172,7 +172,7 @@ def test_memory_estimate_and_check(monkeypatch):
     assert need.weights == 2 * 6_738_415_616
     assert need.kv_cache == 2 * 32 * 32 * 128 * 4096 * 2  # K and V, 32 layers, 32 heads x 128, 4096 positions
     monkeypatch.setattr(runtime, "available_bytes", lambda device: need.total - 1)
-    with pytest.raises(DeviceError, match=r"needs about 17\.\d GB \(13\.5 GB of float16 weights, 2\.1 GB of KV"):
+    with pytest.raises(DeviceError, match=r"needs about 16\.\d GB \(13\.5 GB of float16 weights, 2\.1 GB of KV"):
         runtime.check_memory(config, torch.float16, torch.device("cpu"), 4096)
     monkeypatch.setattr(runtime, "available_bytes", lambda device: need.total)
     assert runtime.check_memory(config, torch.float16, torch.device("cpu"), 4096) == need
