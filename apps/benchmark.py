@@ -35,6 +35,16 @@ def csv_list(text: str) -> list[str]:
     return [item for item in text.split(",") if item]
 
 
+def density_list(text: str) -> list[float]:
+    try:
+        densities = [float(item) for item in csv_list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"densities must be numbers in (0, 1], got {text!r}") from None
+    if not densities or not all(0.0 < d <= 1.0 for d in densities):
+        raise argparse.ArgumentTypeError(f"densities must be numbers in (0, 1], got {text!r}")
+    return densities
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="apps/benchmark.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
     parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
-    parser.add_argument("--densities", type=csv_list, default=None, metavar="D,...",
+    parser.add_argument("--densities", type=density_list, default=None, metavar="D,...",
                         help="macko-e2e: densities, 1.0 meaning dense (default: "
                              f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)})")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
@@ -77,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.suite in ("macko-e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
-        densities = [float(d) for d in args.densities] if args.densities else macko_suite.E2E_DENSITIES
+        densities = args.densities or macko_suite.E2E_DENSITIES
         macko_rows = macko_suite.e2e_rows(
             args.model, densities, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
             on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True))

@@ -111,7 +111,10 @@ class _HFJson:
             import tokenizers
         except ImportError:
             raise MinferError(f"{path} needs the 'tokenizers' package: pip install tokenizers") from None
-        self._tok = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+            raise MinferError(f"{path} is not a readable tokenizer.json ({e})") from None
         special = _special_tokens(path.with_name("tokenizer_config.json"))
         self.bos_id, self.eos_id = (self._token_id(special.get(k), k) for k in ("bos_token", "eos_token"))
         unk_id = self._tok.token_to_id(special.get("unk_token") or "")

@@ -136,3 +136,14 @@ def test_generation_runs_after_pruning_and_compression():
             outputs.append(m(tokens, torch.arange(10), kv_len=10))
     assert torch.allclose(outputs[0], outputs[1], atol=1e-4)  # MACKO computes the pruned model
     assert not torch.allclose(outputs[1], outputs[2], atol=1e-3)  # and pruning changed it
+
+
+def test_corrupt_reference_checkpoint_is_a_clear_error(tmp_path):
+    from minfer.errors import CheckpointError
+    from minfer.sparsity.compressed import load_reference_macko
+
+    corrupt = tmp_path / "compressed.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    model = Transformer(tiny_model().config)
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_reference_macko(model, corrupt, torch.float32, "cpu")

@@ -144,3 +144,13 @@ def test_tokenizer_json_unknown_token_with_id_zero(tmp_path):
         '{"bos_token": "<|begin|>", "eos_token": "<|end|>", "unk_token": "<unk>"}')
     tok = Tokenizer(tmp_path / "tokenizer.json")
     assert (tok._backend.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+
+
+def test_unreadable_tokenizer_json_is_a_clear_error(tmp_path):
+    pytest.importorskip("tokenizers")
+    from minfer.errors import MinferError
+
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{ this is not a tokenizer")
+    with pytest.raises(MinferError, match="not a readable tokenizer.json"):
+        Tokenizer(broken)

@@ -109,7 +109,10 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
                 raise CheckpointError(f"{name} in {file} has shape {tuple(entry['shape'])}, "
                                       f"expected {linear.fmt.shape}")
             if entry["format"] == MackoWeight.name:
-                padded = f.get_slice(f"{name}.fmt.values").get_shape()[0]
+                values_key = f"{name}.fmt.values"
+                if values_key not in f.keys():
+                    raise CheckpointError(f"{file} has no tensor {values_key}; the compressed folder is incomplete")
+                padded = f.get_slice(values_key).get_shape()[0]
                 formats[name] = MackoWeight.empty(linear.fmt.shape, padded, dtype, "meta")
             elif entry["format"] != DenseWeight.name:
                 known = ", ".join(sorted(FORMATS))
@@ -121,7 +124,10 @@ def _reference_tensors(file: Path) -> dict[str, torch.Tensor | int]:
     if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return dict(load_file(str(file)))
+        try:
+            return dict(load_file(str(file)))
+        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+            raise CheckpointError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
