@@ -369,8 +369,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     """HF LlamaRMSNorm: variance in fp32 (or wider), the normalised value cast back to x's dtype,
     then multiplied by the weight."""
     wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
+    return weight * F.rms_norm(wide, (x.shape[-1],), eps=eps).to(x.dtype)  # torch's fused kernel on GPU
 
 
 RMS_NORM_MAX_HIDDEN = {torch.float16: 16384, torch.bfloat16: 16384, torch.float32: 8192}  # kernels/rms_norm.h
@@ -433,13 +432,15 @@ def rope_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     [B, T, Hkv, D] stored into the [B, Hkv, S, D] caches at positions input_pos [T]."""
     c = cos[input_pos][:, None, :]  # [T, 1, D/2], broadcast over batch and heads
     s = sin[input_pos][:, None, :]
+    cos_full, signed_sin = torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1)
 
     def rotate(x):
-        x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        # x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] folded into the sign of sin
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return torch.addcmul(wide * cos_full, wide.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
     q.copy_(rotate(q))
-    k_cache.index_copy_(2, input_pos, rotate(k).transpose(1, 2))
+    k_cache.index_copy_(2, input_pos, rotate(k).to(k.dtype).transpose(1, 2))
     v_cache.index_copy_(2, input_pos, v.transpose(1, 2))
 
 
