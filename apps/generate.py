@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from minfer import formats  # noqa: E402
+from minfer import formats, ops  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
 from minfer.config import ALIASES  # noqa: E402
 from minfer.demo import DEMO_NAME  # noqa: E402
@@ -62,6 +62,9 @@ def build_parser() -> Parser:
     model.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     model.add_argument("--sparse", choices=sorted({*formats.FORMATS, *formats.ALIASES}), default="none",
                        help="weight format of the attention and MLP projections (default: none = dense)")
+    model.add_argument("--backend", choices=ops.BACKENDS, default=ops.backend(),
+                       help="minfer: our CUDA kernels on a GPU; torch: the plain-PyTorch path of the same model "
+                            "(default: %(default)s, or $MINFER_BACKEND)")
     model.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                        help=f"context length: KV cache positions for prompt + generated tokens "
                             f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
@@ -85,6 +88,7 @@ def note(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    ops.set_backend(args.backend)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     if args.max_new_tokens < 1:

@@ -125,7 +125,7 @@ def build(verbose: bool = False) -> Path:
 def set_backend(name: str) -> None:
     """'minfer' runs our CUDA kernels on GPU tensors; 'torch' forces the pure-PyTorch references."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+        raise MinferError(f"unknown backend {name!r} (from --backend or $MINFER_BACKEND); choose one of {BACKENDS}")
     _state["backend"] = name
 
 

@@ -189,3 +189,10 @@ def test_device_dtype_and_context_defaults():
     assert runtime.context_length(llama2, None, 10) == 4096
     assert runtime.context_length(ModelConfig.from_hf(KNOWN_CONFIGS["llama3.1-8b"]), None, 10) == 4096
     assert runtime.context_length(llama2, 100, 99) == 100
+
+
+def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint):
+    args = ("--model", str(local_checkpoint), "--device", "cpu", "--max-new-tokens", "6", "--json")
+    minfer_ids = json.loads(cli(*args, "--backend", "minfer").stdout)["generated_ids"]
+    assert json.loads(cli(*args, "--backend", "torch").stdout)["generated_ids"] == minfer_ids  # CPU: same references
+    assert_input_error(cli(*args, env={"MINFER_BACKEND": "cuda-magic"}), "unknown backend 'cuda-magic'")
