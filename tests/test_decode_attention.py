@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from minfer import ops
 from minfer.errors import MinferError
 from tests.conftest import requires_cuda
+from tests.numerics import rel_error
 
 DTYPES = [torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}  # P is rounded to the dtype for the P V product
@@ -23,10 +24,6 @@ def attention64(q, k_cache, v_cache, live: int, scale: float) -> torch.Tensor:
     v = v_cache[:, :, :live].double().cpu()
     out = F.scaled_dot_product_attention(q[:, :, None].double().cpu(), k, v, scale=scale, enable_gqa=True)
     return out[:, :, 0]
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
 
 
 def problem(batch, q_heads, kv_heads, head_dim, max_seq_len, live, dtype, device="cuda", q_scale=1.0):

@@ -6,6 +6,7 @@ import torch
 from minfer import ops
 from minfer.errors import FormatError
 from tests.conftest import requires_cuda
+from tests.numerics import linear_reference64, random_linear_problem, rel_error
 
 DTYPES = [torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # about 4x the rounding of the output dtype
@@ -16,27 +17,12 @@ SHAPES = [(1, 8), (5, 40), (77, 1000), (129, 4096), (300, 4104), (4099, 264), (4
           (16901, 4104), (33, 1001), (7, 13)]
 
 
-def reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.double() @ w.double().t()
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def random_problem(tokens, n, k, dtype, device="cuda"):
-    x = torch.randn(tokens, k, device=device, dtype=dtype)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    out = torch.full((tokens, n), float("nan"), device=device, dtype=dtype)
-    return x, w, out
-
-
 def test_cpu_path_keeps_leading_dims():
     x = torch.randn(2, 1, 40)
     w = torch.randn(24, 40)
     out = ops.gemv(x, w)
     assert out.shape == (2, 1, 24)
-    assert rel_error(out, reference64(x, w)) < 1e-6
+    assert rel_error(out, linear_reference64(x, w)) < 1e-6
 
 
 def test_rejects_more_than_eight_tokens_and_mismatched_k():
@@ -51,10 +37,10 @@ def test_rejects_more_than_eight_tokens_and_mismatched_k():
 @pytest.mark.parametrize("tokens", range(1, 9))
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_gemv_matches_float64(n, k, tokens, dtype):
-    x, w, out = random_problem(tokens, n, k, dtype)
+    x, w, out = random_linear_problem(tokens, n, k, dtype)
     ops.gemv(x, w, out=out)
     assert not out.isnan().any(), "some outputs were never written"
-    assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype]
+    assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype]
 
 
 @requires_cuda
@@ -66,7 +52,7 @@ def test_gemv_unaligned_views(dtype):
     x = torch.randn(tokens * k + 1, device="cuda", dtype=dtype)[1:].view(tokens, k)
     out = torch.full((tokens, n), float("nan"), device="cuda", dtype=dtype)
     ops.gemv(x, w, out=out)
-    assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype]
+    assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype]
 
 
 @requires_cuda
@@ -74,7 +60,7 @@ def test_gemv_chain_in_cuda_graph():
     """Two dependent GEMVs captured in one graph: the second reads what the first wrote (this is what
     the programmatic-dependent-launch wait must guarantee), replayed on fresh inputs."""
     dtype = torch.float16
-    x, w1, h = random_problem(2, 2048, 1024, dtype)
+    x, w1, h = random_linear_problem(2, 2048, 1024, dtype)
     w2 = (torch.randn(777, 2048, device="cuda") / 2048**0.5).to(dtype)
     y = torch.empty(2, 777, device="cuda", dtype=dtype)
     ops.gemv(x, w1, out=h)
@@ -90,20 +76,20 @@ def test_gemv_chain_in_cuda_graph():
         y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        expected = reference64(reference64(x, w1).to(dtype), w2)
+        expected = linear_reference64(linear_reference64(x, w1).to(dtype), w2)
         assert rel_error(y, expected) < 2 * TOLERANCE[dtype]
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemv_opcheck(dtype):
-    x, w, out = random_problem(3, 48, 96, dtype)
+    x, w, out = random_linear_problem(3, 48, 96, dtype)
     torch.library.opcheck(torch.ops.minfer.gemv.default, (x, w, out))
 
 
 @requires_cuda
 def test_gemv_rejects_float32():
-    x, w, out = random_problem(1, 16, 32, torch.float32)
+    x, w, out = random_linear_problem(1, 16, 32, torch.float32)
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
         ops.gemv(x, w, out=out)
 
@@ -113,8 +99,8 @@ def test_dense_weight_decode_runs_gemv():
     """DenseWeight sends 1..8 tokens through ops.gemv (bit-identical to calling it) and more to F.linear."""
     from minfer.formats import DenseWeight
 
-    x, w, _ = random_problem(3, 300, 512, torch.float16)
+    x, w, _ = random_linear_problem(3, 300, 512, torch.float16)
     dense = DenseWeight(w)
     assert torch.equal(dense(x.view(3, 1, 512)).view(3, 300), ops.gemv(x, w))
     prefill = torch.randn(9, 512, device="cuda", dtype=torch.float16)
-    assert rel_error(dense(prefill), reference64(prefill, w)) < TOLERANCE[torch.float16]
+    assert rel_error(dense(prefill), linear_reference64(prefill, w)) < TOLERANCE[torch.float16]

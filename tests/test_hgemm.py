@@ -6,6 +6,7 @@ import torch
 from minfer import ops
 from minfer.errors import FormatError
 from tests.conftest import requires_cuda
+from tests.numerics import linear_reference64, random_linear_problem, rel_error
 
 DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
@@ -24,21 +25,6 @@ def shape_id(shape) -> str:
     return "m{}_n{}_k{}".format(*shape)
 
 
-def reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.double() @ w.double().t()
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def random_problem(m, n, k, dtype, device="cuda"):
-    x = torch.randn(m, k, device=device, dtype=dtype)
-    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
-    out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
-    return x, w, out
-
-
 def gpu_kernels() -> list[str]:
     """Every kernel this GPU runs: the sm90 ones on sm_90 parts only."""
     if not torch.cuda.is_available():
@@ -52,7 +38,7 @@ def test_cpu_path_matches_float64_and_keeps_leading_dims():
     w = torch.randn(13, 40)  # the reference takes any N; the kernels need multiples of 8
     out = ops.hgemm(x, w)
     assert out.shape == (2, 3, 13)
-    assert rel_error(out, reference64(x, w)) < 1e-6
+    assert rel_error(out, linear_reference64(x, w)) < 1e-6
 
 
 def test_rejects_mismatched_k_and_unknown_kernel():
@@ -67,33 +53,33 @@ def test_rejects_mismatched_k_and_unknown_kernel():
 @pytest.mark.parametrize("kernel", gpu_kernels())
 @pytest.mark.parametrize("m,n,k", SHAPES, ids=[shape_id(s) for s in SHAPES])
 def test_hgemm_matches_float64(m, n, k, kernel, dtype):
-    x, w, out = random_problem(m, n, k, dtype)
+    x, w, out = random_linear_problem(m, n, k, dtype)
     ops.hgemm(x, w, out=out, kernel=kernel)
     assert not out.isnan().any(), "some outputs were never written"
-    assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype]
+    assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype]
 
 
 @requires_cuda
 @pytest.mark.parametrize("kernel", gpu_kernels())
 @pytest.mark.parametrize("m,n,k", LARGE_SHAPES, ids=[shape_id(s) for s in LARGE_SHAPES])
 def test_hgemm_many_tiles_per_sm(m, n, k, kernel):
-    x, w, out = random_problem(m, n, k, torch.float16)
+    x, w, out = random_linear_problem(m, n, k, torch.float16)
     ops.hgemm(x, w, out=out, kernel=kernel)
     assert not out.isnan().any(), "some outputs were never written"
-    assert rel_error(out, reference64(x, w)) < TOLERANCE[torch.float16]
+    assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[torch.float16]
 
 
 @requires_cuda
 def test_hgemm_leaves_memory_past_out_alone():
     """Edge tiles are clipped: the rows and columns around an output view keep their values."""
     m, n, k = 70, 72, 128
-    x, w, _ = random_problem(m, n, k, torch.float16)
+    x, w, _ = random_linear_problem(m, n, k, torch.float16)
     canvas = torch.full((m + 1, n), -7.0, device="cuda", dtype=torch.float16)
     for kernel in gpu_kernels():
         canvas.fill_(-7.0)
         ops.hgemm(x, w, out=canvas[:m], kernel=kernel)
         assert (canvas[m] == -7.0).all(), kernel
-        assert rel_error(canvas[:m], reference64(x, w)) < TOLERANCE[torch.float16], kernel
+        assert rel_error(canvas[:m], linear_reference64(x, w)) < TOLERANCE[torch.float16], kernel
 
 
 @requires_cuda
@@ -105,14 +91,14 @@ def test_hgemm_unaligned_views_and_3d_input():
     x = torch.randn(m * k + 1, device="cuda", dtype=dtype)[1:].view(2, 3, k)
     out = torch.full((m * n + 1,), float("nan"), device="cuda", dtype=dtype)[1:].view(2, 3, n)
     ops.hgemm(x, w, out=out)
-    assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype]
+    assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype]
 
 
 @requires_cuda
 def test_hgemm_in_cuda_graph():
     """Captured once, replayed on fresh inputs: no host sync or allocation inside the op."""
     dtype = torch.float16
-    x, w, out = random_problem(333, 1024, 512, dtype)
+    x, w, out = random_linear_problem(333, 1024, 512, dtype)
     for kernel in gpu_kernels():
         ops.hgemm(x, w, out=out, kernel=kernel)  # eager run: build, shared-memory opt-in
         torch.cuda.synchronize()
@@ -124,29 +110,29 @@ def test_hgemm_in_cuda_graph():
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            assert rel_error(out, reference64(x, w)) < TOLERANCE[dtype], kernel
+            assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype], kernel
 
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_hgemm_opcheck(dtype):
     ops.build()  # registers torch.ops.minfer
-    x, w, out = random_problem(33, 64, 96, dtype)
+    x, w, out = random_linear_problem(33, 64, 96, dtype)
     torch.library.opcheck(torch.ops.minfer.hgemm.default, (x, w, out))
     torch.library.opcheck(torch.ops.minfer.hgemm_kernel.default, (x, w, out, "sm80"))
 
 
 @requires_cuda
 def test_hgemm_rejects_bad_shapes_and_dtypes():
-    x, w, out = random_problem(4, 12, 32, torch.float16)
+    x, w, out = random_linear_problem(4, 12, 32, torch.float16)
     with pytest.raises(FormatError, match="multiples of 8"):
         ops.hgemm(x, w, out=out)
     with pytest.raises(RuntimeError, match="multiples of 8"):
         torch.ops.minfer.hgemm(x, w, out)
-    x, w, out = random_problem(4, 16, 32, torch.float32)
+    x, w, out = random_linear_problem(4, 16, 32, torch.float32)
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
         ops.hgemm(x, w, out=out)
     if torch.cuda.get_device_capability() != (9, 0):
-        x, w, out = random_problem(4, 16, 32, torch.float16)
+        x, w, out = random_linear_problem(4, 16, 32, torch.float16)
         with pytest.raises(RuntimeError, match="sm90 HGEMM path needs"):
             ops.hgemm(x, w, out=out, kernel="sm90")

@@ -6,6 +6,7 @@ import torch
 from minfer import ops
 from minfer.errors import MinferError
 from tests.conftest import requires_cuda
+from tests.numerics import rel_error
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}  # ~4x the output rounding
@@ -21,10 +22,6 @@ SHAPES = [(1, 4096), (3, 5, 4097), (2, 8192), (7, 40), (9, 1001), (4, 1000), (1,
 def rms_norm64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.double()
     return weight.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def assert_hf_rounding(out: torch.Tensor, ref: torch.Tensor) -> None:

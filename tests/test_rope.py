@@ -6,6 +6,7 @@ import torch
 
 from minfer import ops
 from tests.conftest import requires_cuda
+from tests.numerics import rel_error
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}
@@ -26,10 +27,6 @@ def rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     x = x.double()
     x1, x2 = x.chunk(2, dim=-1)
     return x * c + torch.cat((-x2, x1), dim=-1) * s
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def fused_qkv(batch, tokens, q_heads, kv_heads, head_dim, dtype, device):

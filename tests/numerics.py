@@ -1,0 +1,21 @@
+"""Shared test oracles: float64 references and the relative-error measure every kernel test uses."""
+
+import torch
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64, with out moved to ref's device."""
+    ref = ref.double()
+    return ((out.double().to(ref.device) - ref).norm() / ref.norm()).item()
+
+
+def linear_reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t()
+
+
+def random_linear_problem(rows: int, n: int, k: int, dtype: torch.dtype, device="cuda"):
+    """x [rows, K], w [N, K] scaled to unit-variance outputs, and out [rows, N] poisoned with NaN."""
+    x = torch.randn(rows, k, device=device, dtype=dtype)
+    w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    out = torch.full((rows, n), float("nan"), device=device, dtype=dtype)
+    return x, w, out
