@@ -6,7 +6,9 @@ namespace minfer {
 namespace {
 
 template <typename T>
-__global__ void silu_mul_kernel(const T* __restrict__ gate_up, T* __restrict__ out, int64_t inter) {
+__global__ void silu_mul_kernel(const T* gate_up, T* __restrict__ out, int64_t inter) {
+    allow_dependents_to_launch();
+    wait_for_previous_kernel();  // gate_up comes from the previous kernel: plain (not .nc) loads below
     const int64_t t = blockIdx.y;
     const T* gate = gate_up + t * 2 * inter;
     const T* up = gate + inter;
@@ -23,7 +25,8 @@ void launch_typed(const void* gate_up, void* out, int64_t tokens, int64_t inter,
     const int threads = 256;
     const int blocks_x = (int)((inter + threads - 1) / threads);
     dim3 grid(blocks_x < 1024 ? blocks_x : 1024, (unsigned)tokens);
-    silu_mul_kernel<T><<<grid, threads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<T*>(out), inter);
+    launch_with_pdl(silu_mul_kernel<T>, grid, dim3(threads), 0, stream, true, static_cast<const T*>(gate_up),
+                    static_cast<T*>(out), inter);
 }
 
 }  // namespace

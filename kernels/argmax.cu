@@ -79,7 +79,9 @@ __device__ __forceinline__ Best warp_best(Best best) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    argmax_kernel(const T* __restrict__ logits, int64_t* __restrict__ out, int vocab) {
+    argmax_kernel(const T* logits, int64_t* __restrict__ out, int vocab) {
+    allow_dependents_to_launch();
+    wait_for_previous_kernel();  // the logits come from the previous kernel: coherent loads below
     constexpr int kPerChunk = 16 / sizeof(T);
     const T* row = logits + (int64_t)blockIdx.x * vocab;
     Best best{-INFINITY, kNoIndex};
@@ -93,11 +95,11 @@ __global__ void __launch_bounds__(kThreads)
         for (; c + (kUnroll - 1) * kThreads < num_chunks; c += kUnroll * kThreads) {
             uint4 loaded[kUnroll];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) loaded[u] = __ldg(chunks + c + u * kThreads);
+            for (int u = 0; u < kUnroll; ++u) loaded[u] = load_coherent_16B(chunks + c + u * kThreads);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) offer_chunk<T>(best, loaded[u], (c + u * kThreads) * kPerChunk);
         }
-        for (; c < num_chunks; c += kThreads) offer_chunk<T>(best, __ldg(chunks + c), c * kPerChunk);
+        for (; c < num_chunks; c += kThreads) offer_chunk<T>(best, load_coherent_16B(chunks + c), c * kPerChunk);
         scalar_start = num_chunks * kPerChunk;
     }
     for (int i = scalar_start + threadIdx.x; i < vocab; i += kThreads) {
@@ -118,7 +120,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 void launch_typed(const void* logits, int64_t* out, int64_t rows, int64_t vocab, cudaStream_t stream) {
-    argmax_kernel<T><<<(unsigned)rows, kThreads, 0, stream>>>(static_cast<const T*>(logits), out, (int)vocab);
+    launch_with_pdl(argmax_kernel<T>, dim3((unsigned)rows), dim3(kThreads), 0, stream, true,
+                    static_cast<const T*>(logits), out, (int)vocab);
 }
 
 }  // namespace

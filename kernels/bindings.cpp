@@ -95,7 +95,7 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int64_t warps_per_block, int64_t unroll) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
@@ -111,8 +111,16 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
     MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
                 "minfer.gemv: float16 or bfloat16 only, got ", w.scalar_type());
     MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.gemv: tensors on different devices");
+    MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
+                 "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
+    MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
+                 "minfer.gemv: unroll must be 0 (auto), 2, 4 or 8 (8 only with fewer than 16 warps)");
     const c10::cuda::CUDAGuard guard(w.device());
-    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), current_stream());
+    minfer::GemvTuning tuning;
+    tuning.warps_per_block = (int)warps_per_block;
+    tuning.unroll = (int)unroll;
+    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), tuning,
+                        current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -360,7 +368,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
-    m.def("gemv(Tensor x, Tensor w, Tensor(a!) out) -> ()");
+    m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, int warps_per_block=0, int unroll=0) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");

@@ -111,9 +111,8 @@ struct AttnParams {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads)
-    decode_attention_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                            const int64_t* __restrict__ input_pos, T* __restrict__ out, float* __restrict__ workspace,
-                            AttnParams p) {
+    decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* input_pos,
+                            T* __restrict__ out, float* workspace, AttnParams p) {
     constexpr int kElemsPer16B = 16 / sizeof(T);
     constexpr int kChunks = D / kElemsPer16B;  // 16-byte chunks per K/V row
     constexpr int kKSteps = D / 16;            // mma k-steps over the head dim (S = Q K^T)
@@ -124,6 +123,9 @@ __global__ void __launch_bounds__(kThreads)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int block_is_last;
     T* smem = reinterpret_cast<T*>(smem_raw);
+
+    allow_dependents_to_launch();
+    wait_for_previous_kernel();  // q and the newest K/V row come from the previous kernel
 
     const int split = blockIdx.x, splits = gridDim.x, h = blockIdx.y, b = blockIdx.z, batch = gridDim.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -374,9 +376,9 @@ void launch_typed(const void* q, const void* k_cache, const void* v_cache, const
     const int smem = kWarps * p.stages * kStageBytes;
     const auto kernel = decode_attention_kernel<T, D>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    kernel<<<dim3(splits, p.kv_heads, batch), kThreads, smem, stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), input_pos,
-        static_cast<T*>(out), workspace, p);
+    launch_with_pdl(kernel, dim3(splits, p.kv_heads, batch), dim3(kThreads), smem, stream, true,
+                    static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),
+                    input_pos, static_cast<T*>(out), workspace, p);
 }
 
 template <typename T>

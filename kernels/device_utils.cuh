@@ -67,4 +67,31 @@ __device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+inline bool device_supports_pdl() {
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    return major >= 9;
+}
+
+// Launches `kernel` as a programmatic dependent of the previous kernel in the stream (sm_90+), so it
+// is resident and waiting in griddepcontrol.wait while that kernel drains. Every kernel launched
+// this way calls wait_for_previous_kernel() in all blocks before it reads anything an earlier kernel
+// wrote: the completion of each kernel then implies the completion of all before it.
+template <typename... Params, typename... Args>
+cudaError_t launch_with_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                            cudaStream_t stream, bool pdl, Args... args) {
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = pdl && device_supports_pdl() ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
 }  // namespace minfer

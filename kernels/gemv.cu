@@ -180,35 +180,36 @@ __global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict_
     }
 }
 
-struct DeviceInfo {
-    int sm_count;
-    bool supports_pdl;  // programmatic dependent launch: sm_90+
-};
-
-DeviceInfo current_device_info() {
-    int device = 0, major = 0, sm_count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-    return {sm_count, major >= 9};
+template <typename T, int kWarps, int kUnroll>
+void launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, cudaStream_t stream) {
+    launch_with_pdl(gemv_mma_kernel<T, kWarps, kUnroll>, dim3((unsigned)ceil_div(n, kTileRows)), dim3(kWarps * 32), 0,
+                    stream, true, x, w, out, tokens, n, k);
 }
 
-template <typename T, int kWarps, int kUnroll>
-void launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, bool pdl, cudaStream_t stream) {
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3((unsigned)ceil_div(n, kTileRows));
-    config.blockDim = dim3(kWarps * 32);
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = pdl ? 1 : 0;
-    cudaLaunchKernelEx(&config, gemv_mma_kernel<T, kWarps, kUnroll>, x, w, out, tokens, n, k);
+template <typename T, int kWarps>
+void launch_warps(const T* x, const T* w, T* out, int tokens, int n, int k, int unroll, cudaStream_t stream) {
+    switch (unroll) {
+        case 2: return launch_mma<T, kWarps, 2>(x, w, out, tokens, n, k, stream);
+        case 4: return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, stream);
+        default:  // 16 warps x 8 steps would spill: 16 warps take 4
+            if constexpr (kWarps < 16) return launch_mma<T, kWarps, 8>(x, w, out, tokens, n, k, stream);
+            else return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, stream);
+    }
+}
+
+// Measured launch configurations (docs/perf-notes.md, "GEMV"): long rows want more warps per tile,
+// many tiles per SM a deeper unroll.
+GemvTuning default_tuning(int n, int k) {
+    int device = 0, sm_count = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (k >= 8192) return {16, 4};
+    if (ceil_div(n, kTileRows) >= 8 * sm_count) return {8, 8};
+    return {8, 4};
 }
 
 template <typename T>
-void launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int tokens, int n, int k,
+void launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int tokens, int n, int k, GemvTuning tuning,
                   cudaStream_t stream) {
     const T* x = static_cast<const T*>(x_ptr);
     const T* w = static_cast<const T*>(w_ptr);
@@ -220,25 +221,25 @@ void launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int token
         gemv_scalar_kernel<T><<<ceil_div(n, kRowsPerBlock), kRowsPerBlock * 32, 0, stream>>>(x, w, out, tokens, n, k);
         return;
     }
-    // Measured on an H100 (docs/perf-notes.md): 8 warps x 4 steps is within 1-2% of the best variant
-    // everywhere; long rows want more warps per tile, and many tiles per SM a deeper unroll.
-    const DeviceInfo device = current_device_info();
-    if (k >= 8192) {
-        launch_mma<T, 16, 4>(x, w, out, tokens, n, k, device.supports_pdl, stream);
-    } else if (ceil_div(n, kTileRows) >= 8 * device.sm_count) {
-        launch_mma<T, 8, 8>(x, w, out, tokens, n, k, device.supports_pdl, stream);
-    } else {
-        launch_mma<T, 8, 4>(x, w, out, tokens, n, k, device.supports_pdl, stream);
+    const GemvTuning chosen = default_tuning(n, k);
+    const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block : chosen.warps_per_block;
+    const int unroll = tuning.unroll > 0 ? tuning.unroll : chosen.unroll;
+    switch (warps) {
+        case 4: return launch_warps<T, 4>(x, w, out, tokens, n, k, unroll, stream);
+        case 8: return launch_warps<T, 8>(x, w, out, tokens, n, k, unroll, stream);
+        default: return launch_warps<T, 16>(x, w, out, tokens, n, k, unroll, stream);
     }
 }
 
 }  // namespace
 
 void launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
-                 cudaStream_t stream) {
+                 const GemvTuning& tuning, cudaStream_t stream) {
     switch (dtype) {
-        case DType::kFloat16: launch_typed<half>(x, w, out, (int)tokens, (int)n, (int)k, stream); break;
-        case DType::kBFloat16: launch_typed<__nv_bfloat16>(x, w, out, (int)tokens, (int)n, (int)k, stream); break;
+        case DType::kFloat16: launch_typed<half>(x, w, out, (int)tokens, (int)n, (int)k, tuning, stream); break;
+        case DType::kBFloat16:
+            launch_typed<__nv_bfloat16>(x, w, out, (int)tokens, (int)n, (int)k, tuning, stream);
+            break;
         case DType::kFloat32: break;  // rejected by the binding: the tensor cores take 16-bit inputs
     }
 }

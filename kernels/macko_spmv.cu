@@ -515,13 +515,6 @@ int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
     return it->second;
 }
 
-bool device_supports_pdl() {
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    return major >= 9;
-}
-
 template <typename Kernel>
 dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_bytes, int passes) {
     const int wanted = ceil_div(rows, warps_per_block);
@@ -535,18 +528,10 @@ void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t*
                        int rows, int cols, int tokens, int warps_per_block, cudaStream_t stream) {
     auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM, PIPELINE>;
     const int smem = !X_IN_SMEM ? 0 : TT == 1 ? cols * (int)sizeof(float) : cols * TT * (int)sizeof(T);
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT));
-    config.blockDim = dim3(warps_per_block * kWarpSize);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = PIPELINE && device_supports_pdl() ? 1 : 0;
-    cudaLaunchKernelEx(&config, kernel, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
-                       row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, tokens);
+    launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT)),
+                    dim3(warps_per_block * kWarpSize), smem, stream, PIPELINE, static_cast<const uint4*>(values),
+                    reinterpret_cast<const uint32_t*>(deltas), row_ptr, static_cast<const uint16_t*>(x),
+                    static_cast<T*>(out), rows, cols, tokens);
 }
 
 template <typename T, int STEPS>

@@ -43,6 +43,8 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, T* __
                                 int64_t hidden, float eps) {
     using P = Pack<T, VEC>;
     constexpr int kPacks = packs_per_thread(VEC);
+    allow_dependents_to_launch();
+    wait_for_previous_kernel();
     const int packs = (int)(hidden / VEC);
     const int64_t row_offset = blockIdx.x * hidden;
     const P* x_row = reinterpret_cast<const P*>(x + row_offset);
@@ -112,10 +114,8 @@ bool launch_typed(const void* x, void* residual, const void* weight, void* out, 
     auto* rt = static_cast<T*>(residual);
     const auto* wt = static_cast<const T*>(weight);
     auto* ot = static_cast<T*>(out);
-    if (vectorised)
-        rms_norm_kernel<T, kVec><<<(unsigned)rows, threads, 0, stream>>>(xt, rt, wt, ot, hidden, eps);
-    else
-        rms_norm_kernel<T, 1><<<(unsigned)rows, threads, 0, stream>>>(xt, rt, wt, ot, hidden, eps);
+    auto kernel = vectorised ? rms_norm_kernel<T, kVec> : rms_norm_kernel<T, 1>;
+    launch_with_pdl(kernel, dim3((unsigned)rows), dim3(threads), 0, stream, true, xt, rt, wt, ot, hidden, eps);
     return true;
 }
 

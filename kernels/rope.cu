@@ -14,11 +14,12 @@ struct RopeShape {
 // One thread per (head, i < D/2) pair of one token: q heads first, then k heads, then v heads.
 // Each pair is read once and written once, so the kernel is a single pass over q, k and v.
 template <typename T>
-__global__ void rope_write_kv_kernel(T* q, const T* __restrict__ k, const T* __restrict__ v,
-                                     const float* __restrict__ cos, const float* __restrict__ sin,
-                                     const int64_t* __restrict__ input_pos, T* __restrict__ k_cache,
+__global__ void rope_write_kv_kernel(T* q, const T* k, const T* v, const float* __restrict__ cos,
+                                     const float* __restrict__ sin, const int64_t* input_pos, T* __restrict__ k_cache,
                                      T* __restrict__ v_cache, RopeShape shape, TokenHeadStrides qs,
                                      TokenHeadStrides ks, TokenHeadStrides vs) {
+    allow_dependents_to_launch();
+    wait_for_previous_kernel();  // q, k, v come from the previous kernel: plain (not .nc) loads below
     const int64_t b = blockIdx.x / shape.tokens, t = blockIdx.x % shape.tokens;
     const int64_t item = blockIdx.y * (int64_t)kThreads + threadIdx.x;
     const int64_t heads = shape.q_heads + 2 * shape.kv_heads;
@@ -53,9 +54,9 @@ void launch_typed(void* q, const void* k, const void* v, const float* cos, const
                   TokenHeadStrides ks, TokenHeadStrides vs, cudaStream_t stream) {
     const int64_t items = (shape.q_heads + 2 * shape.kv_heads) * shape.half_dim;
     const dim3 grid((unsigned)(batch * shape.tokens), (unsigned)((items + kThreads - 1) / kThreads));
-    rope_write_kv_kernel<T><<<grid, kThreads, 0, stream>>>(
-        static_cast<T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cos, sin, input_pos,
-        static_cast<T*>(k_cache), static_cast<T*>(v_cache), shape, qs, ks, vs);
+    launch_with_pdl(rope_write_kv_kernel<T>, grid, dim3(kThreads), 0, stream, true, static_cast<T*>(q),
+                    static_cast<const T*>(k), static_cast<const T*>(v), cos, sin, input_pos, static_cast<T*>(k_cache),
+                    static_cast<T*>(v_cache), shape, qs, ks, vs);
 }
 
 }  // namespace

@@ -181,12 +181,16 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @fake_impl("minfer::gemv")
-def _gemv_fake(x, w, out):
+def _gemv_fake(x, w, out, warps_per_block=0, unroll=0):
     return None
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w.T for decode: x [..., K] holding 1..8 tokens in all, w [N, K] -> [..., N], fp32 accumulation."""
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, warps_per_block: int = 0,
+         unroll: int = 0) -> torch.Tensor:
+    """x @ w.T for decode: x [..., K] holding 1..8 tokens in all, w [N, K] -> [..., N], fp32 accumulation.
+
+    `warps_per_block` (4, 8, 16) and `unroll` (2, 4, 8) override the kernel's launch configuration
+    (0: the measured default for the shape); `minfer.bench.gemv_sweep` times them."""
     k = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != k:
         raise FormatError(f"gemv needs w [N, {k}] for x [..., {k}], got w {tuple(w.shape)}")
@@ -196,7 +200,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> t
     if out is None:
         out = x.new_empty(*x.shape[:-1], w.shape[0])
     if use_kernels(x):
-        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]))
+        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]), warps_per_block, unroll)
     else:
         out.copy_(linear_reference(x, w))
     return out
