@@ -427,6 +427,78 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     return out
 
 
+# ---- GEMV with the op before it as its prologue (kernels/gemv.h: GemvPrologue) ----
+
+GEMV_STAGED_X_MAX_BYTES = 96 * 1024  # the prologue stages x in shared memory; past this the unfused ops run
+
+
+def gemv_fuses(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
+    """Whether a fused GEMV (prologue of K = `k` input features) takes x against w: minfer kernels on
+    a GPU, 16-bit dtypes, 1..8 tokens, K % 8 == 0, 16-byte aligned, and x's staging fits."""
+    if not (x.dtype == w.dtype and x.dtype in (torch.float16, torch.bfloat16) and w.shape[1] == k and k % 8 == 0
+            and x.is_contiguous() and x.data_ptr() % 16 == 0 and use_kernels(x)):
+        return False
+    tokens = x.numel() // x.shape[-1]
+    return 1 <= tokens <= GEMV_MAX_TOKENS and tokens * k * x.element_size() <= GEMV_STAGED_X_MAX_BYTES
+
+
+def gemv_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    stream = residual + x  # rounded to the dtype, as the model's residual add is
+    return linear_reference(rms_norm_reference(stream, norm_weight, eps), w), stream
+
+
+@fake_impl("minfer::gemv_add_rms_norm")
+def _gemv_add_rms_norm_fake(x, residual, norm_weight, eps, w, residual_out, out):
+    return None
+
+
+def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      w: torch.Tensor, residual_out: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, residual_out) with residual_out = residual + x and out = (rms_norm(residual_out) * norm_weight) @ w.T,
+    in one GEMV kernel for x [..., K] of 1..8 tokens. residual is left as it is; residual_out must be
+    another buffer (the kernel's blocks read residual while the first one writes residual_out)."""
+    k = x.shape[-1]
+    tokens = x.numel() // max(k, 1)
+    if residual.shape != x.shape or w.dim() != 2 or w.shape[1] != k:
+        raise FormatError(f"gemv_add_rms_norm needs residual {tuple(x.shape)} and w [N, {k}], got residual "
+                          f"{tuple(residual.shape)} and w {tuple(w.shape)}")
+    if residual_out is None:
+        residual_out = torch.empty_like(residual)
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], w.shape[0])
+    if use_kernels(x):
+        torch.ops.minfer.gemv_add_rms_norm(x.reshape(tokens, k), residual.reshape(tokens, k), norm_weight, eps, w,
+                                           residual_out.view(tokens, k), out.view(tokens, w.shape[0]))
+    else:
+        expected, stream = gemv_add_rms_norm_reference(x, residual, norm_weight, eps, w)
+        out.copy_(expected)
+        residual_out.copy_(stream)
+    return out, residual_out
+
+
+@fake_impl("minfer::gemv_silu_mul")
+def _gemv_silu_mul_fake(gate_up, w, out):
+    return None
+
+
+def gemv_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ w.T for gate_up [..., 2K] of 1..8 tokens, in one GEMV kernel."""
+    k = gate_up.shape[-1] // 2
+    tokens = gate_up.numel() // max(2 * k, 1)
+    if gate_up.shape[-1] != 2 * k or w.dim() != 2 or w.shape[1] != k:
+        raise FormatError(f"gemv_silu_mul needs gate_up [..., 2K] and w [N, K], got {tuple(gate_up.shape)} "
+                          f"and {tuple(w.shape)}")
+    if out is None:
+        out = gate_up.new_empty(*gate_up.shape[:-1], w.shape[0])
+    if use_kernels(gate_up):
+        torch.ops.minfer.gemv_silu_mul(gate_up.reshape(tokens, 2 * k), w, out.view(tokens, w.shape[0]))
+    else:
+        out.copy_(linear_reference(silu_mul_reference(gate_up), w))
+    return out
+
+
 # ---- RoPE fused with the KV-cache write ----
 
 
