@@ -187,14 +187,12 @@ __device__ __forceinline__ void stage_add_rms_norm(uint4* xs, const T* delta, co
 // Each warp keeps one batch in flight while it multiplies the previous one (two register sets:
 // otherwise ptxas interleaves loads with the mmas that wait on them and few bytes stay in flight).
 // Needs K % 8 == 0 and 16-byte aligned x and w (the launcher checks).
-// Blocks per SM the persistent (prologue) variants are held to, so the tile loop keeps the registers,
-// hence the occupancy, of the one-tile kernel: 128 per thread, 255 for 8-step batches.
-constexpr int min_blocks_per_sm(int warps, int unroll, GemvPrologue p) {
-    return p == GemvPrologue::kNone ? 1 : 65536 / (warps * 32 * (unroll == 8 ? 256 : 128));
-}
+// Registers per thread that keep the occupancy the unrolled loads were sized for: 255 for 8-step
+// batches, 128 otherwise (the persistent loop would otherwise grow past it and halve the blocks per SM).
+constexpr int min_blocks_per_sm(int warps, int unroll) { return 65536 / (warps * 32 * (unroll == 8 ? 256 : 128)); }
 
 template <typename T, int kWarps, int kUnroll, GemvPrologue P>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks_per_sm(kWarps, kUnroll, P))
+__global__ void __launch_bounds__(kWarps * 32, min_blocks_per_sm(kWarps, kUnroll))
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int tokens, int n,
                     int k, GemvPrologueArgs pro) {
     constexpr bool kStaged = P != GemvPrologue::kNone;
@@ -225,10 +223,12 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks_per_sm(kWarps, kUnroll
     if constexpr (P == GemvPrologue::kSiluMul) stage_silu_mul<T, kWarps * 32>(staged_x, x, tokens, k);
     if constexpr (P == GemvPrologue::kAddRmsNorm) stage_add_rms_norm<T, kWarps * 32>(staged_x, x, pro, tokens, k);
 
-    // One tile: the K loop from the batch already in `even`, then the warps' sums merged in shared memory.
-    // With a prologue the next tile's first batch goes out before the barrier, so no warp waits with
-    // nothing in flight.
-    auto run_tile = [&](int tile, int parity) {
+    // Persistent: the grid is what fits on the device at once, so x is staged once per block.
+    for (int tile = blockIdx.x, parity = 0; tile < tiles; tile += gridDim.x, parity ^= 1) {
+        if (tile != (int)blockIdx.x) {
+            select_tile(tile);
+            if (warp < batches) even.load_weights(lane, batch_chunk(warp));
+        }
         float acc[2][4] = {};
         if (warp < batches) even.load_x(lane, batch_chunk(warp));
         for (int b = warp; b < batches; b += 2 * kWarps) {
@@ -253,14 +253,10 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks_per_sm(kWarps, kUnroll
         float c[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) c[i] = acc[0][i] + acc[1][i];
-        if (kStaged && tile + (int)gridDim.x < tiles) {
-            select_tile(tile + gridDim.x);
-            if (warp < batches) even.load_weights(lane, batch_chunk(warp));
-        }
         if constexpr (kWarps > 1) {
             if (warp > 0) partial[parity][warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
             __syncthreads();
-            if (warp > 0) return;
+            if (warp > 0) continue;
 #pragma unroll
             for (int i = 0; i < kWarps - 1; ++i) {
                 const float4 p = partial[parity][i][lane_id];
@@ -279,13 +275,6 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks_per_sm(kWarps, kUnroll
             if (row < n) out[(int64_t)token * n + row] = from_float<T>(c[j]);
             if (row + 8 < n) out[(int64_t)token * n + row + 8] = from_float<T>(c[2 + j]);
         }
-    };
-    // With a prologue the grid is persistent (what fits on the device at once), so x is staged once
-    // per block; without one, one tile per block measured faster (docs/perf-notes.md, "GEMV").
-    if constexpr (kStaged) {
-        for (int tile = blockIdx.x, parity = 0; tile < tiles; tile += gridDim.x, parity ^= 1) run_tile(tile, parity);
-    } else {
-        run_tile(blockIdx.x, 0);
     }
 }
 
@@ -320,8 +309,7 @@ bool launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, const 
     const DeviceLimits& device = device_limits();
     if (smem > device.smem_optin - (int)(2 * sizeof(float4) * 32 * kWarps)) return false;
     const int tiles = ceil_div(n, kTileRows);
-    const int resident = P == GemvPrologue::kNone ? tiles : resident_blocks_per_sm(kernel, kWarps * 32, smem) *
-                                                                device.sm_count;
+    const int resident = resident_blocks_per_sm(kernel, kWarps * 32, smem) * device.sm_count;
     launch_with_pdl(kernel, dim3((unsigned)(tiles < resident ? tiles : resident)), dim3(kWarps * 32), smem, stream,
                     true, x, w, out, tokens, n, k, pro);
     return true;
