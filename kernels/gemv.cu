@@ -187,12 +187,8 @@ __device__ __forceinline__ void stage_add_rms_norm(uint4* xs, const T* delta, co
 // Each warp keeps one batch in flight while it multiplies the previous one (two register sets:
 // otherwise ptxas interleaves loads with the mmas that wait on them and few bytes stay in flight).
 // Needs K % 8 == 0 and 16-byte aligned x and w (the launcher checks).
-// Registers per thread that keep the occupancy the unrolled loads were sized for: 255 for 8-step
-// batches, 128 otherwise (the persistent loop would otherwise grow past it and halve the blocks per SM).
-constexpr int min_blocks_per_sm(int warps, int unroll) { return 65536 / (warps * 32 * (unroll == 8 ? 256 : 128)); }
-
 template <typename T, int kWarps, int kUnroll, GemvPrologue P>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks_per_sm(kWarps, kUnroll))
+__global__ void __launch_bounds__(kWarps * 32)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int tokens, int n,
                     int k, GemvPrologueArgs pro) {
     constexpr bool kStaged = P != GemvPrologue::kNone;
