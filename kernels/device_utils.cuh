@@ -4,9 +4,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "launch.h"
 
@@ -68,49 +65,7 @@ __device__ __forceinline__ uint4 load_coherent_16B(const void* ptr) {
     return r;
 }
 
-__host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-struct DeviceLimits {
-    int sm_count;
-    int smem_optin;  // dynamic shared memory one block may opt into
-};
-
-inline const DeviceLimits& device_limits() {
-    static std::mutex mutex;
-    static std::map<int, DeviceLimits> cache;
-    int device = 0;
-    cudaGetDevice(&device);
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(device);
-    if (it == cache.end()) {
-        DeviceLimits limits{};
-        cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device);
-        cudaDeviceGetAttribute(&limits.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-        it = cache.emplace(device, limits).first;
-    }
-    return it->second;
-}
-
-// Blocks of `kernel` resident per SM at this size; raises the kernel's dynamic shared memory limit
-// first when it needs more than the default 48 KB. Cached, so graph capture sees no new calls.
-template <typename Kernel>
-int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
-    static std::mutex mutex;
-    static std::map<std::tuple<const void*, int, int, int>, int> cache;
-    int device = 0;
-    cudaGetDevice(&device);
-    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem_bytes, device);
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-        if (smem_bytes > 48 * 1024)
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-        int blocks = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes);
-        it = cache.emplace(key, blocks < 1 ? 1 : blocks).first;
-    }
-    return it->second;
-}
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 inline bool device_supports_pdl() {
     int device = 0, major = 0;

@@ -193,84 +193,71 @@ __global__ void __launch_bounds__(kWarps * 32)
                     int k, GemvPrologueArgs pro) {
     constexpr bool kStaged = P != GemvPrologue::kNone;
     extern __shared__ uint4 staged_x[];
-    __shared__ float4 partial[2][kWarps - 1 > 0 ? kWarps - 1 : 1][32];  // by tile parity: one barrier per tile
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
+    const int row = blockIdx.x * kTileRows + g;
     const int row_chunks = k / kChunk;
-    const int tiles = ceil_div(n, kTileRows);
     const uint4* w_chunks = reinterpret_cast<const uint4*>(w);
     LaneRows lane;
+    lane.row_lo = w_chunks + (int64_t)min(row, n - 1) * row_chunks;  // rows past N re-read the last
+    lane.row_hi = w_chunks + (int64_t)min(row + 8, n - 1) * row_chunks;
     lane.x = (kStaged ? staged_x : reinterpret_cast<const uint4*>(x)) + (int64_t)min(g, tokens - 1) * row_chunks;
-    auto select_tile = [&](int tile) {
-        const int row = tile * kTileRows + g;
-        lane.row_lo = w_chunks + (int64_t)min(row, n - 1) * row_chunks;  // rows past N re-read the last
-        lane.row_hi = w_chunks + (int64_t)min(row + 8, n - 1) * row_chunks;
-    };
 
     const int full_steps = k / kStepK;
     const int batches = full_steps / kUnroll;
     auto batch_chunk = [&](int b) { return b * kUnroll * kStepChunks + t; };
 
+    float acc[2][4] = {};
     WarpSteps<T, kUnroll, kStaged> even, odd;
-    select_tile(blockIdx.x);
     if (warp < batches) even.load_weights(lane, batch_chunk(warp));  // weights need not wait
     wait_for_previous_kernel();
     if constexpr (P == GemvPrologue::kSiluMul) stage_silu_mul<T, kWarps * 32>(staged_x, x, tokens, k);
     if constexpr (P == GemvPrologue::kAddRmsNorm) stage_add_rms_norm<T, kWarps * 32>(staged_x, x, pro, tokens, k);
+    if (warp < batches) even.load_x(lane, batch_chunk(warp));
+    for (int b = warp; b < batches; b += 2 * kWarps) {
+        if (b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
+        even.multiply(acc);
+        if (b + kWarps >= batches) break;
+        if (b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
+        odd.multiply(acc);
+    }
+    for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
+        WarpSteps<T, 1, kStaged> step;
+        step.load(lane, s * kStepChunks + t);
+        step.multiply(acc);
+    }
+    if (warp == kWarps - 1 && full_steps * kStepK < k) {
+        const int chunk = full_steps * kStepChunks + t;
+        WarpSteps<T, 1, kStaged> step;
+        step.load(lane, chunk, chunk < row_chunks);
+        step.multiply(acc);
+    }
 
-    // Persistent: the grid is what fits on the device at once, so x is staged once per block.
-    for (int tile = blockIdx.x, parity = 0; tile < tiles; tile += gridDim.x, parity ^= 1) {
-        if (tile != (int)blockIdx.x) {
-            select_tile(tile);
-            if (warp < batches) even.load_weights(lane, batch_chunk(warp));
-        }
-        float acc[2][4] = {};
-        if (warp < batches) even.load_x(lane, batch_chunk(warp));
-        for (int b = warp; b < batches; b += 2 * kWarps) {
-            if (b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
-            even.multiply(acc);
-            if (b + kWarps >= batches) break;
-            if (b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
-            odd.multiply(acc);
-        }
-        for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
-            WarpSteps<T, 1, kStaged> step;
-            step.load(lane, s * kStepChunks + t);
-            step.multiply(acc);
-        }
-        if (warp == kWarps - 1 && full_steps * kStepK < k) {
-            const int chunk = full_steps * kStepChunks + t;
-            WarpSteps<T, 1, kStaged> step;
-            step.load(lane, chunk, chunk < row_chunks);
-            step.multiply(acc);
-        }
-
-        float c[4];
+    float c[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = acc[0][i] + acc[1][i];
-        if constexpr (kWarps > 1) {
-            if (warp > 0) partial[parity][warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
-            __syncthreads();
-            if (warp > 0) continue;
+    for (int i = 0; i < 4; ++i) c[i] = acc[0][i] + acc[1][i];
+    if constexpr (kWarps > 1) {
+        __shared__ float4 partial[kWarps - 1][32];
+        if (warp > 0) partial[warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
+        __syncthreads();
+        if (warp > 0) return;
 #pragma unroll
-            for (int i = 0; i < kWarps - 1; ++i) {
-                const float4 p = partial[parity][i][lane_id];
-                c[0] += p.x;
-                c[1] += p.y;
-                c[2] += p.z;
-                c[3] += p.w;
-            }
+        for (int i = 0; i < kWarps - 1; ++i) {
+            const float4 p = partial[i][lane_id];
+            c[0] += p.x;
+            c[1] += p.y;
+            c[2] += p.z;
+            c[3] += p.w;
         }
-        // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1.
-        const int row = tile * kTileRows + g;
+    }
+    // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1.
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int token = 2 * t + j;
-            if (token >= tokens) continue;
-            if (row < n) out[(int64_t)token * n + row] = from_float<T>(c[j]);
-            if (row + 8 < n) out[(int64_t)token * n + row + 8] = from_float<T>(c[2 + j]);
-        }
+    for (int j = 0; j < 2; ++j) {
+        const int token = 2 * t + j;
+        if (token >= tokens) continue;
+        if (row < n) out[(int64_t)token * n + row] = from_float<T>(c[j]);
+        if (row + 8 < n) out[(int64_t)token * n + row + 8] = from_float<T>(c[2 + j]);
     }
 }
 
@@ -301,13 +288,17 @@ template <typename T, int kWarps, int kUnroll, GemvPrologue P = GemvPrologue::kN
 bool launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, const GemvPrologueArgs& pro,
                 cudaStream_t stream) {
     const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, P>;
-    const int smem = P == GemvPrologue::kNone ? 0 : tokens * k * (int)sizeof(T);
-    const DeviceLimits& device = device_limits();
-    if (smem > device.smem_optin - (int)(2 * sizeof(float4) * 32 * kWarps)) return false;
-    const int tiles = ceil_div(n, kTileRows);
-    const int resident = resident_blocks_per_sm(kernel, kWarps * 32, smem) * device.sm_count;
-    launch_with_pdl(kernel, dim3((unsigned)(tiles < resident ? tiles : resident)), dim3(kWarps * 32), smem, stream,
-                    true, x, w, out, tokens, n, k, pro);
+    const size_t smem = P == GemvPrologue::kNone ? 0 : (size_t)tokens * k * sizeof(T);
+    if (smem > 48 * 1024) {
+        int device = 0, optin = 0;
+        cudaGetDevice(&device);
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        if (smem > (size_t)optin - sizeof(float) * kGemvMaxTokens * kWarps - sizeof(float4) * 32 * kWarps)
+            return false;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    }
+    launch_with_pdl(kernel, dim3((unsigned)ceil_div(n, kTileRows)), dim3(kWarps * 32), smem, stream, true, x, w, out,
+                    tokens, n, k, pro);
     return true;
 }
 
@@ -326,8 +317,11 @@ bool launch_warps(const T* x, const T* w, T* out, int tokens, int n, int k, int 
 // Measured launch configurations (docs/perf-notes.md, "GEMV"): long rows want more warps per tile,
 // many tiles per SM a deeper unroll.
 GemvTuning default_tuning(int n, int k) {
+    int device = 0, sm_count = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
     if (k >= 8192) return {16, 4};
-    if (ceil_div(n, kTileRows) >= 8 * device_limits().sm_count) return {8, 8};
+    if (ceil_div(n, kTileRows) >= 8 * sm_count) return {8, 8};
     return {8, 4};
 }
 

@@ -11,6 +11,9 @@
 // - nibble prefix sums inside a chunk use byte-parallel arithmetic (one multiply), and the warp scan
 //   of the chunk sums covers two steps at once (16-bit fields);
 // - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "device_utils.cuh"
 #include "macko.h"
@@ -469,6 +472,48 @@ __global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uin
 constexpr int kDefaultSteps = 2;
 constexpr int kDefaultWarpsPerBlock = 16;
 constexpr int kDecompressWarpsPerBlock = 8;
+
+struct DeviceLimits {
+    int sm_count;
+    int smem_optin;  // dynamic shared memory one block may opt into
+};
+
+DeviceLimits device_limits() {
+    static std::mutex mutex;
+    static std::map<int, DeviceLimits> cache;
+    int device = 0;
+    cudaGetDevice(&device);
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(device);
+    if (it == cache.end()) {
+        DeviceLimits limits{};
+        cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device);
+        cudaDeviceGetAttribute(&limits.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+        it = cache.emplace(device, limits).first;
+    }
+    return it->second;
+}
+
+// Blocks of `kernel` resident per SM at this size; raises the kernel's dynamic shared memory limit
+// first when it needs more than the default 48 KB. Cached, so graph capture sees no new calls.
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
+    static std::mutex mutex;
+    static std::map<std::tuple<const void*, int, int, int>, int> cache;
+    int device = 0;
+    cudaGetDevice(&device);
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem_bytes, device);
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it == cache.end()) {
+        if (smem_bytes > 48 * 1024)
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        int blocks = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes);
+        it = cache.emplace(key, blocks < 1 ? 1 : blocks).first;
+    }
+    return it->second;
+}
 
 template <typename Kernel>
 dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_bytes, int passes) {
