@@ -95,84 +95,33 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Shapes and dtypes shared by gemv and its fused variants: x [T, K] (T <= 8), w [N, K], out [T, N].
-void check_gemv(const at::Tensor& x, int64_t k, const at::Tensor& w, const at::Tensor& out, const char* op) {
+void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int64_t warps_per_block, int64_t unroll) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
-    MINFER_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, op, ": expects x [T, K], w [N, K], out [T, N]");
-    const int64_t tokens = x.size(0), n = w.size(0);
-    MINFER_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, op, ": takes 1..", minfer::kGemvMaxTokens,
-                 " tokens, got ", tokens, "; use a GEMM for more");
-    MINFER_CHECK(w.size(1) == k, op, ": the input has K=", k, " but w has K=", w.size(1));
-    MINFER_CHECK(out.size(0) == tokens && out.size(1) == n, op, ": out must be [", tokens, ", ", n, "]");
-    MINFER_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, op, ": N and K must be in 1..2^31-1");
-    MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(), op,
-                 ": x, w and out must share one dtype");
-    MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16, op,
-                 ": float16 or bfloat16 only, got ", w.scalar_type());
-    MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), op, ": tensors on different devices");
-}
-
-void run_gemv(const at::Tensor& x, int64_t k, const at::Tensor& w, at::Tensor& out, const minfer::GemvTuning& tuning,
-              const minfer::GemvPrologueArgs& prologue, const char* op) {
-    const c10::cuda::CUDAGuard guard(w.device());
-    const bool launched = minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.size(0), w.size(0), k,
-                                              dtype_of(w), tuning, prologue, current_stream());
-    MINFER_CHECK(launched, op, ": needs K % 8 == 0, 16-byte aligned tensors and T * K elements of x within the "
-                 "device's shared memory; the unfused ops take any input");
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int64_t warps_per_block, int64_t unroll) {
-    check_gemv(x, x.size(-1), w, out, "minfer.gemv");
+    MINFER_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.gemv: expects x [T, K], w [N, K], out [T, N]");
+    const int64_t tokens = x.size(0), k = x.size(1), n = w.size(0);
+    MINFER_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, "minfer.gemv: takes 1..", minfer::kGemvMaxTokens,
+                " tokens, got ", tokens, "; use a GEMM for more");
+    MINFER_CHECK(w.size(1) == k, "minfer.gemv: x has K=", k, " but w has K=", w.size(1));
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == n, "minfer.gemv: out must be [", tokens, ", ", n, "]");
+    MINFER_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, "minfer.gemv: N and K must be in 1..2^31-1");
+    MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
+                "minfer.gemv: x, w and out must share one dtype");
+    MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
+                "minfer.gemv: float16 or bfloat16 only, got ", w.scalar_type());
+    MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.gemv: tensors on different devices");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                  "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
     MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
                  "minfer.gemv: unroll must be 0 (auto), 2, 4 or 8 (8 only with fewer than 16 warps)");
+    const c10::cuda::CUDAGuard guard(w.device());
     minfer::GemvTuning tuning;
     tuning.warps_per_block = (int)warps_per_block;
     tuning.unroll = (int)unroll;
-    run_gemv(x, x.size(1), w, out, tuning, minfer::GemvPrologueArgs{}, "minfer.gemv");
-}
-
-void gemv_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
-                       const at::Tensor& w, at::Tensor& residual_out, at::Tensor& out) {
-    const char* op = "minfer.gemv_add_rms_norm";
-    check_gemv(x, x.size(-1), w, out, op);
-    check_cuda_contiguous(residual, "residual");
-    check_cuda_contiguous(residual_out, "residual_out");
-    check_cuda_contiguous(norm_weight, "norm_weight");
-    MINFER_CHECK(residual.sizes() == x.sizes() && residual_out.sizes() == x.sizes(), op,
-                 ": residual and residual_out must have x's shape ", x.sizes());
-    MINFER_CHECK(norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1), op, ": norm_weight must be [K]");
-    MINFER_CHECK(residual.scalar_type() == x.scalar_type() && residual_out.scalar_type() == x.scalar_type() &&
-                     norm_weight.scalar_type() == x.scalar_type(), op, ": every tensor must share x's dtype");
-    MINFER_CHECK(residual.device() == w.device() && residual_out.device() == w.device() &&
-                     norm_weight.device() == w.device(), op, ": tensors on different devices");
-    const auto overlaps = [&](const at::Tensor& a) {
-        const auto* begin = static_cast<const char*>(a.data_ptr());
-        const auto* out_begin = static_cast<const char*>(residual_out.data_ptr());
-        return begin < out_begin + residual_out.nbytes() && out_begin < begin + a.nbytes();
-    };
-    MINFER_CHECK(!overlaps(residual) && !overlaps(x), op,
-                 ": residual_out must not overlap residual or x (other blocks still read them)");
-    minfer::GemvPrologueArgs prologue;
-    prologue.kind = minfer::GemvPrologue::kAddRmsNorm;
-    prologue.residual = residual.data_ptr();
-    prologue.residual_out = residual_out.data_ptr();
-    prologue.norm_weight = norm_weight.data_ptr();
-    prologue.eps = (float)eps;
-    run_gemv(x, x.size(1), w, out, minfer::GemvTuning{}, prologue, op);
-}
-
-void gemv_silu_mul(const at::Tensor& gate_up, const at::Tensor& w, at::Tensor& out) {
-    const char* op = "minfer.gemv_silu_mul";
-    MINFER_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, op, ": gate_up must be [T, 2K]");
-    check_gemv(gate_up, gate_up.size(1) / 2, w, out, op);
-    minfer::GemvPrologueArgs prologue;
-    prologue.kind = minfer::GemvPrologue::kSiluMul;
-    run_gemv(gate_up, gate_up.size(1) / 2, w, out, minfer::GemvTuning{}, prologue, op);
+    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), tuning,
+                        current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void argmax(const at::Tensor& logits, at::Tensor& out) {
@@ -420,9 +369,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, int warps_per_block=0, int unroll=0) -> ()");
-    m.def("gemv_add_rms_norm(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor w, "
-          "Tensor(a!) residual_out, Tensor(b!) out) -> ()");
-    m.def("gemv_silu_mul(Tensor gate_up, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
@@ -437,8 +383,6 @@ TORCH_LIBRARY(minfer, m) {
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("gemv", &gemv);
-    m.impl("gemv_add_rms_norm", &gemv_add_rms_norm);
-    m.impl("gemv_silu_mul", &gemv_silu_mul);
     m.impl("hgemm", &hgemm);
     m.impl("hgemm_kernel", &hgemm_kernel);
     m.impl("argmax", &argmax);

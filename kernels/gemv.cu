@@ -51,7 +51,7 @@ struct LaneRows {
 // pairs {0,1},{2,3} are slots (2t, 2t+1), (2t+8, 2t+9) of the first k16 mma, pairs {4,5},{6,7} the
 // same slots of the second. A and B get the same permutation, so the product is exact.
 // `valid` is false only for the lanes of a last, partial step (K % 32 != 0): they feed zeros.
-template <typename T, int kSteps, bool kStagedX>
+template <typename T, int kSteps>
 struct WarpSteps {
     uint4 lo[kSteps], hi[kSteps], xv[kSteps];
 
@@ -65,13 +65,7 @@ struct WarpSteps {
 
     __device__ __forceinline__ void load_x(const LaneRows& lane, int chunk, bool valid = true) {
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-            const uint4* src = lane.x + chunk + s * kStepChunks;
-            if constexpr (kStagedX)
-                xv[s] = valid ? *src : make_uint4(0, 0, 0, 0);
-            else
-                xv[s] = valid ? load_coherent_16B(src) : make_uint4(0, 0, 0, 0);
-        }
+        for (int s = 0; s < kSteps; ++s) xv[s] = valid ? load_coherent_16B(lane.x + chunk + s * kStepChunks) : make_uint4(0, 0, 0, 0);
     }
 
     __device__ __forceinline__ void load(const LaneRows& lane, int chunk, bool valid = true) {
@@ -89,110 +83,14 @@ struct WarpSteps {
     }
 };
 
-// ---- prologues: x' staged in shared memory as [tokens][K / 8] 16-byte chunks ----
-
-constexpr int kStageBatch = 4;  // chunks per thread loaded together (one L2 round trip)
-
-template <typename T, typename F>
-__device__ __forceinline__ uint4 map_chunk(const uint4& a, const uint4& b, F f) {
-    const T* av = reinterpret_cast<const T*>(&a);
-    const T* bv = reinterpret_cast<const T*>(&b);
-    uint4 r;
-    T* rv = reinterpret_cast<T*>(&r);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) rv[j] = from_float<T>(f(to_float(av[j]), to_float(bv[j])));
-    return r;
-}
-
-// x' = silu(gate) * up, as the silu_mul kernel rounds it.
-template <typename T, int kThreads>
-__device__ __forceinline__ void stage_silu_mul(uint4* xs, const T* gate_up, int tokens, int k) {
-    const int row_chunks = k / kChunk, total = tokens * row_chunks;
-    const uint4* src = reinterpret_cast<const uint4*>(gate_up);
-    for (int c0 = threadIdx.x; c0 < total; c0 += kStageBatch * kThreads) {
-        uint4 gate[kStageBatch], up[kStageBatch];
-#pragma unroll
-        for (int u = 0; u < kStageBatch; ++u) {
-            const int c = c0 + u * kThreads;
-            if (c < total) {
-                const uint4* row = src + (int64_t)(c / row_chunks) * 2 * row_chunks + c % row_chunks;
-                gate[u] = load_coherent_16B(row);
-                up[u] = load_coherent_16B(row + row_chunks);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kStageBatch; ++u)
-            if (c0 + u * kThreads < total)
-                xs[c0 + u * kThreads] =
-                    map_chunk<T>(gate[u], up[u], [](float g, float v) { return g / (1.0f + __expf(-g)) * v; });
-    }
-    __syncthreads();
-}
-
-// h = residual + delta (rounded to T; block 0 stores it to residual_out), then
-// x' = T(T(h * rsqrt(mean(h^2) + eps)) * norm_weight), as the add_rms_norm kernel rounds it.
-template <typename T, int kThreads>
-__device__ __forceinline__ void stage_add_rms_norm(uint4* xs, const T* delta, const GemvPrologueArgs& pro,
-                                                   int tokens, int k) {
-    constexpr int kWarps = kThreads / 32;
-    __shared__ float warp_sums[kGemvMaxTokens][kWarps];
-    const int row_chunks = k / kChunk;
-    const uint4* d = reinterpret_cast<const uint4*>(delta);
-    const uint4* r = reinterpret_cast<const uint4*>(pro.residual);
-    uint4* r_out = reinterpret_cast<uint4*>(pro.residual_out);
-    for (int tok = 0; tok < tokens; ++tok) {
-        float sum_sq = 0.0f;
-        for (int c0 = threadIdx.x; c0 < row_chunks; c0 += kStageBatch * kThreads) {
-            uint4 a[kStageBatch], b[kStageBatch];
-#pragma unroll
-            for (int u = 0; u < kStageBatch; ++u) {
-                const int c = c0 + u * kThreads;
-                if (c < row_chunks) {
-                    a[u] = load_coherent_16B(r + tok * row_chunks + c);
-                    b[u] = load_coherent_16B(d + tok * row_chunks + c);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kStageBatch; ++u) {
-                const int c = c0 + u * kThreads;
-                if (c >= row_chunks) continue;
-                const uint4 h = map_chunk<T>(a[u], b[u], [](float x, float y) { return x + y; });
-                xs[tok * row_chunks + c] = h;
-                if (blockIdx.x == 0) r_out[tok * row_chunks + c] = h;
-                const T* hv = reinterpret_cast<const T*>(&h);
-#pragma unroll
-                for (int j = 0; j < kChunk; ++j) sum_sq += to_float(hv[j]) * to_float(hv[j]);
-            }
-        }
-        sum_sq = warp_sum(sum_sq);
-        if (threadIdx.x % 32 == 0) warp_sums[tok][threadIdx.x / 32] = sum_sq;
-    }
-    __syncthreads();
-    const uint4* norm_weight = reinterpret_cast<const uint4*>(pro.norm_weight);
-    for (int tok = 0; tok < tokens; ++tok) {
-        float total = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) total += warp_sums[tok][w];
-        const float inv_rms = rsqrtf(total / (float)k + pro.eps);
-        for (int c = threadIdx.x; c < row_chunks; c += kThreads) {
-            const int i = tok * row_chunks + c;
-            xs[i] = map_chunk<T>(xs[i], __ldg(norm_weight + c),
-                                 [inv_rms](float h, float w) { return w * to_float(from_float<T>(h * inv_rms)); });
-        }
-    }
-    __syncthreads();
-}
-
 // One block per 16-row tile; its kWarps warps take interleaved batches of kUnroll steps along K.
 // Each warp keeps one batch in flight while it multiplies the previous one (two register sets:
 // otherwise ptxas interleaves loads with the mmas that wait on them and few bytes stay in flight).
 // Needs K % 8 == 0 and 16-byte aligned x and w (the launcher checks).
-template <typename T, int kWarps, int kUnroll, GemvPrologue P>
+template <typename T, int kWarps, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int tokens, int n,
-                    int k, GemvPrologueArgs pro) {
-    constexpr bool kStaged = P != GemvPrologue::kNone;
-    extern __shared__ uint4 staged_x[];
+                    int k) {
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
@@ -202,18 +100,16 @@ __global__ void __launch_bounds__(kWarps * 32)
     LaneRows lane;
     lane.row_lo = w_chunks + (int64_t)min(row, n - 1) * row_chunks;  // rows past N re-read the last
     lane.row_hi = w_chunks + (int64_t)min(row + 8, n - 1) * row_chunks;
-    lane.x = (kStaged ? staged_x : reinterpret_cast<const uint4*>(x)) + (int64_t)min(g, tokens - 1) * row_chunks;
+    lane.x = reinterpret_cast<const uint4*>(x) + (int64_t)min(g, tokens - 1) * row_chunks;
 
     const int full_steps = k / kStepK;
     const int batches = full_steps / kUnroll;
     auto batch_chunk = [&](int b) { return b * kUnroll * kStepChunks + t; };
 
     float acc[2][4] = {};
-    WarpSteps<T, kUnroll, kStaged> even, odd;
+    WarpSteps<T, kUnroll> even, odd;
     if (warp < batches) even.load_weights(lane, batch_chunk(warp));  // weights need not wait
     wait_for_previous_kernel();
-    if constexpr (P == GemvPrologue::kSiluMul) stage_silu_mul<T, kWarps * 32>(staged_x, x, tokens, k);
-    if constexpr (P == GemvPrologue::kAddRmsNorm) stage_add_rms_norm<T, kWarps * 32>(staged_x, x, pro, tokens, k);
     if (warp < batches) even.load_x(lane, batch_chunk(warp));
     for (int b = warp; b < batches; b += 2 * kWarps) {
         if (b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
@@ -223,13 +119,13 @@ __global__ void __launch_bounds__(kWarps * 32)
         odd.multiply(acc);
     }
     for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
-        WarpSteps<T, 1, kStaged> step;
+        WarpSteps<T, 1> step;
         step.load(lane, s * kStepChunks + t);
         step.multiply(acc);
     }
     if (warp == kWarps - 1 && full_steps * kStepK < k) {
         const int chunk = full_steps * kStepChunks + t;
-        WarpSteps<T, 1, kStaged> step;
+        WarpSteps<T, 1> step;
         step.load(lane, chunk, chunk < row_chunks);
         step.multiply(acc);
     }
@@ -284,33 +180,20 @@ __global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict_
     }
 }
 
-template <typename T, int kWarps, int kUnroll, GemvPrologue P = GemvPrologue::kNone>
-bool launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, const GemvPrologueArgs& pro,
-                cudaStream_t stream) {
-    const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, P>;
-    const size_t smem = P == GemvPrologue::kNone ? 0 : (size_t)tokens * k * sizeof(T);
-    if (smem > 48 * 1024) {
-        int device = 0, optin = 0;
-        cudaGetDevice(&device);
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-        if (smem > (size_t)optin - sizeof(float) * kGemvMaxTokens * kWarps - sizeof(float4) * 32 * kWarps)
-            return false;
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    }
-    launch_with_pdl(kernel, dim3((unsigned)ceil_div(n, kTileRows)), dim3(kWarps * 32), smem, stream, true, x, w, out,
-                    tokens, n, k, pro);
-    return true;
+template <typename T, int kWarps, int kUnroll>
+void launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, cudaStream_t stream) {
+    launch_with_pdl(gemv_mma_kernel<T, kWarps, kUnroll>, dim3((unsigned)ceil_div(n, kTileRows)), dim3(kWarps * 32), 0,
+                    stream, true, x, w, out, tokens, n, k);
 }
 
 template <typename T, int kWarps>
-bool launch_warps(const T* x, const T* w, T* out, int tokens, int n, int k, int unroll, cudaStream_t stream) {
-    const GemvPrologueArgs none;
+void launch_warps(const T* x, const T* w, T* out, int tokens, int n, int k, int unroll, cudaStream_t stream) {
     switch (unroll) {
-        case 2: return launch_mma<T, kWarps, 2>(x, w, out, tokens, n, k, none, stream);
-        case 4: return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, none, stream);
+        case 2: return launch_mma<T, kWarps, 2>(x, w, out, tokens, n, k, stream);
+        case 4: return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, stream);
         default:  // 16 warps x 8 steps would spill: 16 warps take 4
-            if constexpr (kWarps < 16) return launch_mma<T, kWarps, 8>(x, w, out, tokens, n, k, none, stream);
-            else return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, none, stream);
+            if constexpr (kWarps < 16) return launch_mma<T, kWarps, 8>(x, w, out, tokens, n, k, stream);
+            else return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, stream);
     }
 }
 
@@ -325,38 +208,18 @@ GemvTuning default_tuning(int n, int k) {
     return {8, 4};
 }
 
-// A prologue runs with the default configuration only (no need for the whole grid of variants).
-template <typename T, GemvPrologue P>
-bool launch_fused(const T* x, const T* w, T* out, int tokens, int n, int k, const GemvPrologueArgs& pro,
-                  cudaStream_t stream) {
-    const GemvTuning chosen = default_tuning(n, k);
-    if (chosen.warps_per_block == 16) return launch_mma<T, 16, 4, P>(x, w, out, tokens, n, k, pro, stream);
-    if (chosen.unroll == 8) return launch_mma<T, 8, 8, P>(x, w, out, tokens, n, k, pro, stream);
-    return launch_mma<T, 8, 4, P>(x, w, out, tokens, n, k, pro, stream);
-}
-
-bool aligned_16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 template <typename T>
-bool launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int tokens, int n, int k, GemvTuning tuning,
-                  const GemvPrologueArgs& pro, cudaStream_t stream) {
+void launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int tokens, int n, int k, GemvTuning tuning,
+                  cudaStream_t stream) {
     const T* x = static_cast<const T*>(x_ptr);
     const T* w = static_cast<const T*>(w_ptr);
     T* out = static_cast<T*>(out_ptr);
-    const bool aligned = k % kChunk == 0 && aligned_16(x) && aligned_16(w);
-    switch (pro.kind) {
-        case GemvPrologue::kSiluMul:
-            return aligned && launch_fused<T, GemvPrologue::kSiluMul>(x, w, out, tokens, n, k, pro, stream);
-        case GemvPrologue::kAddRmsNorm:
-            return aligned && aligned_16(pro.residual) && aligned_16(pro.residual_out) &&
-                   aligned_16(pro.norm_weight) &&
-                   launch_fused<T, GemvPrologue::kAddRmsNorm>(x, w, out, tokens, n, k, pro, stream);
-        case GemvPrologue::kNone: break;
-    }
+    const bool aligned = k % kChunk == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(w) % 16 == 0;
     if (!aligned) {
         constexpr int kRowsPerBlock = 8;
         gemv_scalar_kernel<T><<<ceil_div(n, kRowsPerBlock), kRowsPerBlock * 32, 0, stream>>>(x, w, out, tokens, n, k);
-        return true;
+        return;
     }
     const GemvTuning chosen = default_tuning(n, k);
     const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block : chosen.warps_per_block;
@@ -370,16 +233,15 @@ bool launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int token
 
 }  // namespace
 
-bool launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
-                 const GemvTuning& tuning, const GemvPrologueArgs& prologue, cudaStream_t stream) {
+void launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
+                 const GemvTuning& tuning, cudaStream_t stream) {
     switch (dtype) {
-        case DType::kFloat16:
-            return launch_typed<half>(x, w, out, (int)tokens, (int)n, (int)k, tuning, prologue, stream);
+        case DType::kFloat16: launch_typed<half>(x, w, out, (int)tokens, (int)n, (int)k, tuning, stream); break;
         case DType::kBFloat16:
-            return launch_typed<__nv_bfloat16>(x, w, out, (int)tokens, (int)n, (int)k, tuning, prologue, stream);
+            launch_typed<__nv_bfloat16>(x, w, out, (int)tokens, (int)n, (int)k, tuning, stream);
+            break;
         case DType::kFloat32: break;  // rejected by the binding: the tensor cores take 16-bit inputs
     }
-    return false;
 }
 
 }  // namespace minfer

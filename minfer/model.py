@@ -8,11 +8,9 @@ The numerical steps go through `minfer.ops` (RMSNorm with the residual add, RoPE
 KV-cache write, SiLU-mul, decode attention): CUDA kernels on a GPU with the minfer backend, their
 pure-PyTorch references otherwise. Prefill attention uses torch SDPA.
 
-The residual stream travels as a pair (residual, delta): delta is the last sublayer's output, not
-yet added. The projection after each norm takes the pair and computes `residual + delta`, the norm
-and itself together (`Linear.forward_add_rms_norm`), so on the decode path the add and the norm
-are the prologue of the GEMV kernel rather than a kernel of their own; the down projection takes
-SiLU-mul the same way.
+Each sublayer ends with the fused-residual pattern `residual += out; x = norm(residual)`: a block
+takes the residual stream and its normalized copy and hands the next block both again, so the
+last norm of block i is the input norm of block i+1 (or the final `norm`).
 """
 
 from __future__ import annotations
@@ -118,20 +116,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fmt(x)
 
-    def forward_add_rms_norm(self, delta: torch.Tensor, residual: torch.Tensor,
-                             norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(residual + delta)), residual + delta): one kernel when the format fuses it; otherwise
-        residual is updated in place and this module is called (so forward hooks see its input)."""
-        fused = self.fmt.fused_add_rms_norm(delta, residual, norm.weight, norm.eps)
-        if fused is not None:
-            return fused
-        return self(norm.add_forward(residual, delta)), residual
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up [..., 2K]."""
-        fused = self.fmt.fused_silu_mul(gate_up)
-        return fused if fused is not None else self(ops.silu_mul(gate_up))
-
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -148,6 +132,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.register_buffer("weight", torch.empty(hidden_size))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
     def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual += x in place; returns the normalized residual."""
         return ops.add_rms_norm(residual, x, self.weight, self.eps)
@@ -162,21 +149,18 @@ class Attention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.kv_cache: KVCache | None = None
 
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, input_pos: torch.Tensor,
-                kv_len: int, mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over norm(residual + delta); returns (its output, residual + delta)."""
-        batch, seq, _ = delta.shape
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, seq, _ = x.shape
         d = self.head_dim
-        qkv, residual = self.qkv_proj.forward_add_rms_norm(delta, residual, norm)
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(batch, seq, self.num_heads, d)
         k = k.view(batch, seq, self.num_kv_heads, d)
         v = v.view(batch, seq, self.num_kv_heads, d)
         cache = self.kv_cache
         ops.rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
         out = attention(q, cache, input_pos, kv_len, mask, self.scale)
-        return self.o_proj(out.reshape(batch, seq, self.num_heads * d)), residual
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * d))
 
 
 class MLP(nn.Module):
@@ -185,11 +169,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)  # rows: gate, then up
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor,
-                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of norm(residual + delta); returns (its output, residual + delta)."""
-        gate_up, residual = self.gate_up_proj.forward_add_rms_norm(delta, residual, norm)
-        return self.down_proj.forward_silu_mul(gate_up), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):
@@ -200,13 +181,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, residual: torch.Tensor, delta: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream residual + delta in, the stream after this block out, in the same (residual, delta)
-        form. The residual passed in may be updated in place."""
-        attn_out, residual = self.self_attn(residual, delta, self.input_layernorm, input_pos, kv_len, mask, rope)
-        return self.mlp(residual, attn_out, self.post_attention_layernorm)
+    def forward(self, residual: torch.Tensor, x: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
+                mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], next_norm: RMSNorm) -> torch.Tensor:
+        """x = input_layernorm(residual). Updates residual in place; returns next_norm(residual)."""
+        x = self.post_attention_layernorm.add_forward(residual, self.self_attn(x, input_pos, kv_len, mask, rope))
+        return next_norm.add_forward(residual, self.mlp(x))
 
 
 class Transformer(nn.Module):
@@ -298,15 +277,9 @@ class Transformer(nn.Module):
             visible = self.positions[:kv_len] <= input_pos[:, None]
             mask = torch.where(visible, 0.0, float("-inf")).to(self.embed_tokens.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)
-        residual, delta = self.embedding_stream(tokens)
-        for layer in self.layers:
-            residual, delta = layer(residual, delta, input_pos, kv_len, mask, rope)
-        if last_logits_only:
-            residual, delta = residual[:, -1:].contiguous(), delta[:, -1:].contiguous()
-        return self.lm_head.forward_add_rms_norm(delta, residual, self.norm)[0]
-
-    def embedding_stream(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream before the first block, as (residual, delta) = (0, embedding): 0 + e is
-        e exactly, and every block then sees the same form."""
-        delta = self.embed_tokens(tokens)
-        return torch.zeros_like(delta), delta
+        residual = self.embed_tokens(tokens)
+        x = self.layers[0].input_layernorm(residual) if len(self.layers) else self.norm(residual)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x = layer(residual, x, input_pos, kv_len, mask, rope, next_norm)
+        return self.lm_head(x[:, -1:] if last_logits_only else x)

@@ -40,17 +40,6 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x[..., K] -> [..., N]."""
 
-    def fused_add_rms_norm(self, delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(forward(rms_norm(residual + delta) * norm_weight), residual + delta) in one kernel, leaving
-        residual as it is; None when this format or input has no such kernel (the caller then runs
-        the add-norm and forward separately)."""
-        return None
-
-    def fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """forward(silu(gate) * up) for gate_up [..., 2K] in one kernel; None when there is none."""
-        return None
-
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)

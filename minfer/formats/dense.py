@@ -1,6 +1,5 @@
 """Dense storage: the [N, K] matrix as it is. On a GPU with the minfer backend, decode (1..8 tokens)
-runs minfer's GEMV (with the norm or SiLU-mul before it fused in) and longer inputs its HGEMM;
-anything else goes through torch's F.linear."""
+runs minfer's GEMV and longer inputs its HGEMM; anything else goes through torch's F.linear."""
 
 from __future__ import annotations
 
@@ -37,14 +36,3 @@ class DenseWeight(WeightFormat):
             if n % 8 == 0 and k % 8 == 0:
                 return ops.hgemm(x, self.weight)
         return F.linear(x, self.weight)
-
-    def fused_add_rms_norm(self, delta: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not ops.gemv_fuses(delta, self.weight, delta.shape[-1]):
-            return None
-        return ops.gemv_add_rms_norm(delta, residual, norm_weight, eps, self.weight)
-
-    def fused_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        if not ops.gemv_fuses(gate_up, self.weight, gate_up.shape[-1] // 2):
-            return None
-        return ops.gemv_silu_mul(gate_up, self.weight)

@@ -87,10 +87,12 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
     input_pos = torch.arange(seq_len, device=device)
     rope = (model.rope_cos, model.rope_sin)
     batches = tokens.to(device).split(batch_size)
-    streams = [model.embedding_stream(batch) for batch in batches]  # (residual, delta) per batch
+    residuals = [model.embed_tokens(batch) for batch in batches]
+    normed = [model.layers[0].input_layernorm(r) for r in residuals]
 
     layers = list(model.layers)
     for i, layer in enumerate(tqdm(layers, desc="wanda pruning", unit="block", disable=not progress)):
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
         squares = {name: torch.zeros(m.fmt.in_features, dtype=torch.float32, device=device)
                    for name, m in linears.items()}
@@ -103,16 +105,16 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
 
         hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
         try:
-            for residual, delta in streams:  # statistics of the unpruned block
-                layer(residual.clone(), delta, input_pos, seq_len, None, rope)
+            for r, x in zip(residuals, normed):  # statistics of the unpruned block
+                layer(r.clone(), x, input_pos, seq_len, None, rope, next_norm)
         finally:
             for h in hooks:
                 h.remove()
         for name, m in linears.items():
             weight = _dense_weight(m, f"layers.{i}.{name}")
             prune_by_score_(weight, wanda_score(weight, squares[name].sqrt()), density)
-        # the next block's inputs come from this block, pruned
-        streams = [layer(residual, delta, input_pos, seq_len, None, rope) for residual, delta in streams]
+        # the next block's inputs come from this block, pruned (residuals are updated in place)
+        normed = [layer(r, x, input_pos, seq_len, None, rope, next_norm) for r, x in zip(residuals, normed)]
 
 
 def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | Path | None = None) -> torch.Tensor:
