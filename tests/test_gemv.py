@@ -11,7 +11,7 @@ from tests.numerics import linear_reference64, random_linear_problem, rel_error
 DTYPES = [torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # about 4x the rounding of the output dtype
 # (N, K): N off the 16-row tile; K with a partial last 32-wide step, leftover steps, uneven batches
-# per warp; each launch configuration (K >= 8192: 16 warps; over 8 tiles per SM on a 132-SM GPU:
+# per warp; each launch configuration (K >= 8192: 16 warps; at least 4 tiles per SM on a 132-SM GPU:
 # unroll 8); K % 8 != 0 runs the scalar fallback.
 SHAPES = [(1, 8), (5, 40), (77, 1000), (129, 4096), (300, 4104), (4099, 264), (4096, 11008), (16901, 264),
           (16901, 4104), (33, 1001), (7, 13)]
