@@ -44,6 +44,29 @@ def test_gemv_matches_float64(n, k, tokens, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
+@pytest.mark.parametrize("n,k", [(77, 1000), (300, 4104)])
+def test_every_launch_configuration(n, k, warps, unroll, tokens):
+    """Every (warps, unroll) variant that gemv_sweep times matches float64."""
+    dtype = torch.float16
+    x, w, out = random_linear_problem(tokens, n, k, dtype)
+    ops.gemv(x, w, out=out, warps_per_block=warps, unroll=unroll)
+    assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype]
+
+
+@requires_cuda
+def test_rejects_unknown_launch_configuration():
+    x, w, out = random_linear_problem(1, 16, 32, torch.float16)
+    with pytest.raises(RuntimeError, match="warps_per_block must be"):
+        ops.gemv(x, w, out=out, warps_per_block=6)
+    with pytest.raises(RuntimeError, match="unroll must be"):
+        ops.gemv(x, w, out=out, unroll=3)
+    with pytest.raises(RuntimeError, match="unroll must be"):  # 16 warps x 8 steps would spill
+        ops.gemv(x, w, out=out, warps_per_block=16, unroll=8)
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemv_unaligned_views(dtype):
     """Rows that do not start on 16 bytes (an offset view) take the scalar path and stay correct."""
