@@ -180,7 +180,6 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
                 gbs, pct = bandwidth(m.bytes(0) + 2 * n * k, ms, copy_gbs)
                 emit("decompress", {"shape": m.shape, "density": density, "minfer_ms": ms, "gbs": gbs, "pct_copy": pct})
             del m
-        pruned_arrays.cache_clear()
         torch.cuda.empty_cache()
     return copy_gbs, results
 
