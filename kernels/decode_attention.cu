@@ -75,25 +75,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "memory");
 }
 
-template <typename T> __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_16816<half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                         uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Two values as one 32-bit mma operand register, `lo` in the low half (the lower column).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -211,8 +192,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int kk = 0; kk < kKSteps; ++kk) {
             uint32_t kb[4];
             ldmatrix_x4(kb, smem_addr(k_slot + (ld_row * kChunks + ((2 * kk + ld_chunk) ^ (ld_row & 7))) * kElemsPer16B));
-            mma_16816<T>(s[0], qa[kk], kb[0], kb[2]);
-            mma_16816<T>(s[1], qa[kk], kb[1], kb[3]);
+            mma_m16n8k16<T>(s[0], qa[kk], kb[0], kb[2]);
+            mma_m16n8k16<T>(s[1], qa[kk], kb[1], kb[3]);
         }
 
         // Online softmax per query row; a row's 16 scores are spread over the 4 lanes of a quad.
@@ -258,8 +239,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int dp = 0; dp < kDimTiles / 2; ++dp) {
             uint32_t vb[4];
             ldmatrix_x4_trans(vb, smem_addr(v_slot + (ld_row * kChunks + ((2 * dp + ld_chunk) ^ (ld_row & 7))) * kElemsPer16B));
-            mma_16816<T>(o[2 * dp], pa, vb[0], vb[1]);
-            mma_16816<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
+            mma_m16n8k16<T>(o[2 * dp], pa, vb[0], vb[1]);
+            mma_m16n8k16<T>(o[2 * dp + 1], pa, vb[2], vb[3]);
         }
     }
     cp_async_wait<0>();

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "launch.h"
 
@@ -29,6 +30,23 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
     return v;
+}
+
+// c += A B on the tensor cores (mma.sync m16n8k16, sm_80+): A is 16x16 in the row-major fragment
+// layout (4 registers), B 16x8 column-major (2 registers), fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    static_assert(std::is_same_v<T, half> || std::is_same_v<T, __nv_bfloat16>, "fp16 or bf16 operands");
+    if constexpr (std::is_same_v<T, half>)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Streaming 16-byte load that does not allocate in L1: weights are read exactly once per token.

@@ -15,28 +15,6 @@ constexpr int kChunk = 8;                     // elements in one 16-byte load
 constexpr int kStepChunks = 4;                // chunks of one row per warp step (lanes t = 0..3)
 constexpr int kStepK = kStepChunks * kChunk;  // 32: two k16 mmas
 
-template <typename T>
-__device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                            uint32_t b0, uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_16x8x16<half>(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                  uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                           uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // What lane (g, t) reads: rows g and g + 8 of its tile, and x of token g. Lanes past the last token
 // read token 0 instead: their B column only feeds output columns that are never stored.
 struct LaneRows {
@@ -77,8 +55,10 @@ struct WarpSteps {
     __device__ __forceinline__ void multiply(float (&acc)[2][4]) const {
 #pragma unroll
         for (int s = 0; s < kSteps; ++s) {
-            mma_16x8x16<T>(acc[0], lo[s].x, hi[s].x, lo[s].y, hi[s].y, xv[s].x, xv[s].y);
-            mma_16x8x16<T>(acc[1], lo[s].z, hi[s].z, lo[s].w, hi[s].w, xv[s].z, xv[s].w);
+            const uint32_t first[4] = {lo[s].x, hi[s].x, lo[s].y, hi[s].y};
+            const uint32_t second[4] = {lo[s].z, hi[s].z, lo[s].w, hi[s].w};
+            mma_m16n8k16<T>(acc[0], first, xv[s].x, xv[s].y);
+            mma_m16n8k16<T>(acc[1], second, xv[s].z, xv[s].w);
         }
     }
 };
