@@ -4,6 +4,10 @@ cudaProfilerStart/Stop, so that a profiler started with capture off sees exactly
   ncu --set full --profile-from-start off python apps/profile.py --op gemv
   ncu --set full --profile-from-start off -o gemv python apps/profile.py --op gemv --shapes 4096x11008 --baseline
   nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode
+  python apps/profile.py --op decode --timeline [--sparse macko --density 0.5]
+
+`--timeline` needs no external profiler: it traces CUDA-graph decode steps with the torch profiler
+(CUPTI) and prints what each kernel adds to a step's critical path (minfer/bench/decode_timeline.py).
 
 Warm-up (JIT build, allocation, library init) runs before the profiled region. `--baseline` also
 runs each case's vendor baseline in its own range ("baseline: ...") for a side-by-side report.
@@ -37,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true", help="also run the vendor baseline of each case")
     parser.add_argument("--model", default="llama2-7b", help="decode: known model alias, random weights")
     parser.add_argument("--context", type=int, default=512, help="decode: cache positions filled before the step")
+    parser.add_argument("--timeline", action="store_true",
+                        help="decode: trace graph-replayed steps and print each kernel's share of a step")
+    parser.add_argument("--steps", type=int, default=32, help="decode --timeline: traced steps (default 32)")
+    parser.add_argument("--sparse", choices=("none", "macko"), default="none",
+                        help="decode --timeline: weight format of the projections (default none)")
+    parser.add_argument("--density", type=float, default=0.5,
+                        help="decode --timeline --sparse macko: density after magnitude pruning (default 0.5)")
     return parser
 
 
@@ -90,13 +101,37 @@ def profile_decode(args: argparse.Namespace) -> None:
     print(f"profiled {args.iters} decode step(s) of {args.model} at position {args.context}")
 
 
+@torch.inference_mode()
+def decode_timeline(args: argparse.Namespace) -> None:
+    from minfer.bench import decode_timeline as timeline
+    from minfer.bench.e2e_suite import build_model
+    from minfer.bench.report import print_table
+    from minfer.formats import convert
+    from minfer.generate import Generator
+    from minfer.sparsity import prune_model_
+
+    model = build_model(args.model, DTYPES[args.dtype])
+    label = "dense"
+    if args.sparse == "macko":
+        prune_model_(model, args.density, "magnitude", progress=False)
+        convert(model, "macko")
+        label = f"macko d={args.density}"
+    generator = Generator(model, None, args.context + args.steps + 2, "cuda")
+    prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
+    rows, step_us = timeline.run(generator, prompt.tolist(), args.steps)
+    print_table(f"{args.model} {label}: decode step at ~{args.context} positions, {step_us:.1f} µs "
+                f"({1e6 / step_us:.1f} tok/s), median of {args.steps} traced steps", timeline.COLUMNS, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if not torch.cuda.is_available():
             raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")
+        if args.timeline and args.op != DECODE:
+            raise MinferError("--timeline traces decode steps: use it with --op decode")
         if args.op == DECODE:
-            profile_decode(args)
+            decode_timeline(args) if args.timeline else profile_decode(args)
         else:
             profile_kernels(args)
     except MinferError as exc:

@@ -4,6 +4,7 @@
 // on the mma's 16 rows (rows >= G are zero), so every K/V byte is read once for all of them; P V
 // reuses S's accumulator layout as the A operand. Warps merge in shared memory, splits through the
 // workspace: the last block of each KV head to finish (an arrival counter) does the final merge.
+// The first ring steps are issued before the PDL wait, so the loads overlap the previous kernels.
 #include "decode_attention.h"
 #include "device_utils.cuh"
 
@@ -106,14 +107,17 @@ __global__ void __launch_bounds__(kThreads)
     T* smem = reinterpret_cast<T*>(smem_raw);
 
     allow_dependents_to_launch();
-    wait_for_previous_kernel();  // q and the newest K/V row come from the previous kernel
 
     const int split = blockIdx.x, splits = gridDim.x, h = blockIdx.y, b = blockIdx.z, batch = gridDim.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int G = p.group;
 
+    // input_pos and the cache rows before it are read before griddepcontrol.wait: the header's
+    // contract is that they were complete before the previous kernel started. Only q and the newest
+    // row (input_pos[0], which rope_write_kv has just written) wait for the previous kernel.
     // Every block derives the same equal shares of the live length from the device-side position.
     const int64_t live = min(max(input_pos[0] + 1, (int64_t)1), p.max_seq_len);
+    const int64_t newest = live - 1;
     const int64_t share = ((live + splits - 1) / splits + kRoundRows - 1) / kRoundRows * kRoundRows;
     const int n_live = (int)((live + share - 1) / share);
     const int64_t begin = split * share;
@@ -126,6 +130,47 @@ __global__ void __launch_bounds__(kThreads)
 
     // mma fragment coordinates: row `frag_row` (and +8), columns `frag_col`, +1 (and +8, +9).
     const int frag_row = lane / 4, frag_col = 2 * (lane % 4);
+
+    // This warp takes steps warp, warp + kWarps, ... of the block's share.
+    T* ring = smem + (size_t)warp * p.stages * kStageElems;
+    const int64_t steps = (end - begin + kRows - 1) / kRows;
+    const int my_steps = warp < steps ? (int)((steps - warp + kWarps - 1) / kWarps) : 0;
+    auto step_row = [&](int i) { return begin + ((int64_t)i * kWarps + warp) * kRows; };
+
+    // Chunk c of row r sits at chunk c ^ (r % 8): ldmatrix's 8 row reads then hit 8 distinct bank groups.
+    // `before_wait`: the newest row is skipped (not even zero-filled) and patched in after the wait.
+    auto issue = [&](int i, bool before_wait) {
+        const int64_t row0 = step_row(i);
+        T* slot = ring + (i % p.stages) * kStageElems;
+#pragma unroll
+        for (int j = 0; j < kRows * kChunks / 32; ++j) {
+            const int idx = lane + 32 * j, r = idx / kChunks, c = idx % kChunks;
+            if (before_wait && row0 + r == newest) continue;
+            const bool valid = row0 + r < end;  // rows past the share are zero-filled, never read
+            const int64_t src = valid ? (row0 + r) * D + c * kElemsPer16B : 0;
+            const int dst = (r * kChunks + (c ^ (r & 7))) * kElemsPer16B;
+            cp_async_16(smem_addr(slot + dst), k_head + src, valid);
+            cp_async_16(smem_addr(slot + kRows * D + dst), v_head + src, valid);
+        }
+    };
+
+    for (int i = 0; i < p.stages - 1; ++i) {
+        if (i < my_steps) issue(i, true);
+        cp_async_commit();
+    }
+    // The step holding the newest row, if this warp issued it above: lane l < 2 * kChunks then owns
+    // chunk l % kChunks of its K (l < kChunks) or V row.
+    const int64_t newest_step = (newest - begin) / kRows;
+    const int patch_step = newest < end && newest_step % kWarps == warp && newest_step / kWarps < p.stages - 1
+                               ? (int)(newest_step / kWarps) : -1;
+    const bool patch_lane = patch_step >= 0 && lane < 2 * kChunks;
+    const int patch_chunk = lane % kChunks, patch_row = (int)(newest - step_row(max(patch_step, 0)));
+
+    wait_for_previous_kernel();
+
+    uint4 patch = make_uint4(0, 0, 0, 0);
+    if (patch_lane)
+        patch = load_coherent_16B((lane < kChunks ? k_head : v_head) + newest * D + patch_chunk * kElemsPer16B);
 
     // Q as the A operand: row = query head within the group, column = dim.
     uint32_t qa[kKSteps][4];
@@ -143,27 +188,6 @@ __global__ void __launch_bounds__(kThreads)
         }
     }
 
-    // This warp takes steps warp, warp + kWarps, ... of the block's share.
-    T* ring = smem + (size_t)warp * p.stages * kStageElems;
-    const int64_t steps = (end - begin + kRows - 1) / kRows;
-    const int my_steps = warp < steps ? (int)((steps - warp + kWarps - 1) / kWarps) : 0;
-    auto step_row = [&](int i) { return begin + ((int64_t)i * kWarps + warp) * kRows; };
-
-    // Chunk c of row r sits at chunk c ^ (r % 8): ldmatrix's 8 row reads then hit 8 distinct bank groups.
-    auto issue = [&](int i) {
-        const int64_t row0 = step_row(i);
-        T* slot = ring + (i % p.stages) * kStageElems;
-#pragma unroll
-        for (int j = 0; j < kRows * kChunks / 32; ++j) {
-            const int idx = lane + 32 * j, r = idx / kChunks, c = idx % kChunks;
-            const bool valid = row0 + r < end;  // rows past the share are zero-filled, never read
-            const int64_t src = valid ? (row0 + r) * D + c * kElemsPer16B : 0;
-            const int dst = (r * kChunks + (c ^ (r & 7))) * kElemsPer16B;
-            cp_async_16(smem_addr(slot + dst), k_head + src, valid);
-            cp_async_16(smem_addr(slot + kRows * D + dst), v_head + src, valid);
-        }
-    };
-
     float o[kDimTiles][4];
 #pragma unroll
     for (int dt = 0; dt < kDimTiles; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
@@ -172,14 +196,14 @@ __global__ void __launch_bounds__(kThreads)
     // ldmatrix.x4 address of this lane: matrices (rows 0-7 | 8-15) x (chunk c | c+1).
     const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8, ld_chunk = lane >> 4;
 
-    for (int i = 0; i < p.stages - 1; ++i) {
-        if (i < my_steps) issue(i);
-        cp_async_commit();
-    }
     for (int i = 0; i < my_steps; ++i) {
         cp_async_wait_pending(p.stages - 2);  // step i has landed (this lane's copies)
+        if (i == patch_step && patch_lane) {
+            T* row = ring + (i % p.stages) * kStageElems + (lane < kChunks ? 0 : kRows * D) + patch_row * D;
+            *reinterpret_cast<uint4*>(row + (patch_chunk ^ (patch_row & 7)) * kElemsPer16B) = patch;
+        }
         __syncwarp();                         // ... and every lane's; slot i-1 is free again
-        if (i + p.stages - 1 < my_steps) issue(i + p.stages - 1);
+        if (i + p.stages - 1 < my_steps) issue(i + p.stages - 1, false);
         cp_async_commit();
 
         const T* k_slot = ring + (i % p.stages) * kStageElems;

@@ -24,6 +24,9 @@ inline int64_t decode_attention_workspace_floats(int64_t batch, int64_t q_heads,
 // positions, so one captured launch stays valid as L grows. The last block of each KV head to
 // finish merges the partial results. k_cache/v_cache: [B, Hkv, max_seq_len, D]; q: [B, Hq, D] with
 // strides (q_batch_stride, q_head_stride, 1); out: contiguous [B, Hq, D]. float16/bfloat16, D 64 or 128.
+// Reads before griddepcontrol.wait (programmatic dependent launch): input_pos and the cache rows
+// before input_pos[0] must be complete before the kernel ahead of this one in the stream starts
+// (in decode they come from earlier steps); only q and the newest row may come from that kernel.
 // `stages`: 16-position steps each warp keeps in its shared-memory ring (0 = the default; clamped
 // to 2 .. what fits the device).
 void launch_decode_attention(const void* q, int64_t q_batch_stride, int64_t q_head_stride, const void* k_cache,

@@ -158,3 +158,38 @@ def test_opcheck(dtype):
     out = torch.empty_like(q)
     torch.library.opcheck(torch.ops.minfer.decode_attention.default,
                           (q, k_cache, v_cache, pos, 0.1, out, workspace, 5))
+
+
+@requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_newest_row_from_the_kernel_right_before(head_dim):
+    """The kernel reads the cache rows before input_pos ahead of griddepcontrol.wait and only the
+    newest row, which rope_write_kv writes just before it, after. Each replay first NaNs the
+    newest row with a plain torch op, then rope_write_kv rewrites it: reading it early fails."""
+    batch, q_heads, kv_heads, max_seq_len = 1, 32, 8, 1200
+    q, k_cache, v_cache, pos = problem(batch, q_heads, kv_heads, head_dim, max_seq_len, max_seq_len, torch.float16)
+    qkv = torch.randn(batch, 1, q_heads + 2 * kv_heads, head_dim, device="cuda").half()
+    q_new, k_new, v_new = qkv.split([q_heads, kv_heads, kv_heads], dim=2)
+    cos, sin = torch.ones(max_seq_len, head_dim // 2, device="cuda"), torch.zeros(max_seq_len, head_dim // 2, device="cuda")
+    workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, max_seq_len, "cuda")
+    out = torch.empty_like(q)
+
+    def step():
+        k_cache.index_fill_(2, pos, float("nan"))
+        v_cache.index_fill_(2, pos, float("nan"))
+        ops.rope_write_kv(q_new, k_new, v_new, cos, sin, pos, k_cache, v_cache)
+        ops.decode_attention(q_new[:, 0], k_cache, v_cache, pos, 0.1, out=out, workspace=workspace)
+
+    pos.fill_(0)
+    step()  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for live in (1, 16, 17, 63, 64, 65, 300, 777, 1200):  # the newest row at every offset in a step and round
+        pos.fill_(live - 1)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = attention64(q_new[:, 0], k_cache, v_cache, live, 0.1)
+        assert rel_error(out, expected) < TOLERANCE[torch.float16], live
+    assert counters_at_rest(workspace, batch, kv_heads)
