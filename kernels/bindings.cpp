@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -95,7 +96,27 @@ void silu_mul(const at::Tensor& gate_up, at::Tensor& out) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int64_t warps_per_block, int64_t unroll) {
+// The fusions of a decode projection (launch.h) from the optional norm weight and the accumulate flag.
+minfer::ProjectionFusion projection_fusion(const std::optional<at::Tensor>& norm_weight, double eps, bool accumulate,
+                                           const at::Tensor& x, const at::Tensor& out, int64_t k, const char* op) {
+    minfer::ProjectionFusion fusion;
+    if (norm_weight.has_value()) {
+        check_cuda_contiguous(*norm_weight, "norm_weight");
+        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == k, op, ": norm_weight must be [", k, "]");
+        MINFER_CHECK(norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(), op,
+                     ": norm_weight must have x's dtype and device");
+        MINFER_CHECK(eps >= 0.0, op, ": eps must be >= 0");
+        fusion.norm_weight = norm_weight->data_ptr();
+        fusion.eps = (float)eps;
+    }
+    fusion.accumulate = accumulate;
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
+                 ": out must not overlap x (other blocks still read x while one writes out)");
+    return fusion;
+}
+
+void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::optional<at::Tensor>& norm_weight,
+          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
@@ -115,11 +136,12 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int64_t war
                  "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
     MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
                  "minfer.gemv: unroll must be 0 (auto), 2, 4 or 8 (8 only with fewer than 16 warps)");
+    const minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, accumulate, x, out, k, "minfer.gemv");
     const c10::cuda::CUDAGuard guard(w.device());
     minfer::GemvTuning tuning;
     tuning.warps_per_block = (int)warps_per_block;
     tuning.unroll = (int)unroll;
-    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), tuning,
+    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), fusion, tuning,
                         current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -161,7 +183,8 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 }
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
-                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline) {
+                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline,
+                bool accumulate) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
@@ -173,6 +196,8 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
                 "minfer.macko_spmv: values, x and out must share one dtype");
     MINFER_CHECK(x.device() == values.device() && out.device() == values.device(),
                 "minfer.macko_spmv: tensors on different devices");
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No,
+                 "minfer.macko_spmv: out must not overlap x (other blocks still read x while one writes out)");
     MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
@@ -183,7 +208,7 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, dtype_of(values), tuning,
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, dtype_of(values), tuning,
                               current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -368,11 +393,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
-    m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, int warps_per_block=0, int unroll=0) -> ()");
+    m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool accumulate=False, "
+          "int warps_per_block=0, int unroll=0) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

@@ -26,25 +26,6 @@ constexpr int kMaxStages = 12;
 constexpr int kMergeBatch = 8;               // partials loaded together by the final merge
 constexpr float kLog2e = 1.4426950408889634f;
 
-// ---- sm_80+ PTX: cp.async, ldmatrix, mma.sync ----
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte asynchronous copy; when !valid nothing is read and the destination is zero-filled.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // wait_group takes an immediate, and the ring depth is picked at launch from the device's shared memory.
 __device__ __forceinline__ void cp_async_wait_pending(int n) {
     switch (n) {
@@ -60,13 +41,6 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
         case 9: cp_async_wait<9>(); break;
         default: cp_async_wait<10>(); break;
     }
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {

@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "launch.h"
@@ -32,6 +33,38 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// A 16-bit pair (low half first) as two floats.
+template <typename T> __device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
+template <> __device__ __forceinline__ float2 pair_to_float2<half>(uint32_t bits) {
+    __half2 h;
+    memcpy(&h, &bits, sizeof(h));
+    return __half22float2(h);
+}
+template <> __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t bits) {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+
+// Elementwise product of two 16-bit pairs, rounded to T.
+template <typename T> __device__ __forceinline__ uint32_t multiply_pairs(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t multiply_pairs<half>(uint32_t a, uint32_t b) {
+    __half2 x, y;
+    memcpy(&x, &a, sizeof(x));
+    memcpy(&y, &b, sizeof(y));
+    const __half2 product = __hmul2(x, y);
+    uint32_t bits;
+    memcpy(&bits, &product, sizeof(bits));
+    return bits;
+}
+template <> __device__ __forceinline__ uint32_t multiply_pairs<__nv_bfloat16>(uint32_t a, uint32_t b) {
+    __nv_bfloat162 x, y;
+    memcpy(&x, &a, sizeof(x));
+    memcpy(&y, &b, sizeof(y));
+    const __nv_bfloat162 product = __hmul2(x, y);
+    uint32_t bits;
+    memcpy(&bits, &product, sizeof(bits));
+    return bits;
+}
+
 // c += A B on the tensor cores (mma.sync m16n8k16, sm_80+): A is 16x16 in the row-major fragment
 // layout (4 registers), B 16x8 column-major (2 registers), fp32 accumulators.
 template <typename T>
@@ -47,6 +80,33 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
             "{%0, %1, %2, %3};"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- sm_80+ asynchronous copies into shared memory and shared-memory matrix loads ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy that bypasses L1; when !valid nothing is read and zeros are written.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid = true) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
 }
 
 // Streaming 16-byte load that does not allocate in L1: weights are read exactly once per token.

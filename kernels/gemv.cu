@@ -3,6 +3,9 @@
 // 1 or 8 tokens cost the same. The kernel is bound by streaming W once: 16-byte no-L1 loads,
 // kUnroll steps in flight per warp, the K range of each 16-row tile split over the block's warps and
 // reduced in shared memory in a fixed order (deterministic, no atomics, no workspace).
+// Fusions (launch.h): with a norm weight g copied to shared memory before the PDL wait, each lane
+// multiplies its x chunks by g and sums their squares as they arrive; the per-token RMS scale is
+// applied in the epilogue, which can also add into `out` (the residual stream) in place.
 #include "gemv.h"
 #include "device_utils.cuh"
 
@@ -51,6 +54,24 @@ struct WarpSteps {
         load_x(lane, chunk, valid);
     }
 
+    // RMSNorm fusion: adds the squares of this lane's x chunks to `sum_sq`, then x *= g, with g's
+    // [K / 8] chunks in shared memory. Chunks past K hold zero x, so any g chunk will do there.
+    __device__ __forceinline__ void apply_norm(const uint4* norm_chunks, int chunk, int row_chunks, float& sum_sq) {
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+            const uint4 g = norm_chunks[min(chunk + s * kStepChunks, row_chunks - 1)];
+            auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
+                const float2 f = pair_to_float2<T>(xw);
+                sum_sq = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq));
+                xw = multiply_pairs<T>(xw, gw);
+            };
+            scale_pair(xv[s].x, g.x);
+            scale_pair(xv[s].y, g.y);
+            scale_pair(xv[s].z, g.z);
+            scale_pair(xv[s].w, g.w);
+        }
+    }
+
     // Two accumulators, so consecutive mmas do not wait on each other.
     __device__ __forceinline__ void multiply(float (&acc)[2][4]) const {
 #pragma unroll
@@ -66,11 +87,14 @@ struct WarpSteps {
 // One block per 16-row tile; its kWarps warps take interleaved batches of kUnroll steps along K.
 // Each warp keeps one batch in flight while it multiplies the previous one (two register sets:
 // otherwise ptxas interleaves loads with the mmas that wait on them and few bytes stay in flight).
-// Needs K % 8 == 0 and 16-byte aligned x and w (the launcher checks).
-template <typename T, int kWarps, int kUnroll>
+// Needs K % 8 == 0 and 16-byte aligned x, w and norm_weight (the launcher checks). kNorm: g * x
+// feeds the mmas and the outputs are scaled by rsqrt(mean(x^2) + eps); dynamic shared memory K * 2 bytes.
+template <typename T, int kWarps, int kUnroll, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32)
-    gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out, int tokens, int n,
-                    int k) {
+    gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ norm_weight,
+                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate) {
+    static_assert(kWarps > 1, "the epilogue reduces the warps' partials in shared memory");
+    extern __shared__ uint4 norm_chunks[];  // kNorm: g
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
@@ -87,139 +111,207 @@ __global__ void __launch_bounds__(kWarps * 32)
     auto batch_chunk = [&](int b) { return b * kUnroll * kStepChunks + t; };
 
     float acc[2][4] = {};
+    float sum_sq = 0.0f;  // kNorm: squares of token g's x over this lane's chunks
+    bool norm_staged = false;
+    auto multiply = [&](auto& steps, int chunk) {
+        if constexpr (kNorm) {
+            if (!norm_staged) {  // this warp's g chunks (copied below) have landed
+                cp_async_wait<0>();
+                __syncwarp();
+                norm_staged = true;
+            }
+            steps.apply_norm(norm_chunks, chunk, row_chunks, sum_sq);
+        }
+        steps.multiply(acc);
+    };
     WarpSteps<T, kUnroll> even, odd;
     if (warp < batches) even.load_weights(lane, batch_chunk(warp));  // weights need not wait
+    if constexpr (kNorm) {
+        // g is a weight too: each warp copies the chunks its own steps read (below) into shared
+        // memory, asynchronously, so only its first multiply waits for them and no block barrier
+        // stands between a block's start and its second batch of loads.
+        const uint4* g_chunks = reinterpret_cast<const uint4*>(norm_weight);
+        auto stage = [&](int first, int count) {
+            for (int i = lane_id; i < count; i += 32) cp_async_16(smem_addr(norm_chunks + first + i), g_chunks + first + i);
+        };
+        for (int b = warp; b < batches; b += kWarps) stage(b * kUnroll * kStepChunks, kUnroll * kStepChunks);
+        for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) stage(s * kStepChunks, kStepChunks);
+        if (warp == kWarps - 1 && full_steps * kStepK < k)
+            stage(full_steps * kStepChunks, row_chunks - full_steps * kStepChunks);
+        cp_async_commit();
+    }
     wait_for_previous_kernel();
     if (warp < batches) even.load_x(lane, batch_chunk(warp));
     for (int b = warp; b < batches; b += 2 * kWarps) {
         if (b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
-        even.multiply(acc);
+        multiply(even, batch_chunk(b));
         if (b + kWarps >= batches) break;
         if (b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
-        odd.multiply(acc);
+        multiply(odd, batch_chunk(b + kWarps));
     }
     for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
         WarpSteps<T, 1> step;
         step.load(lane, s * kStepChunks + t);
-        step.multiply(acc);
+        multiply(step, s * kStepChunks + t);
     }
     if (warp == kWarps - 1 && full_steps * kStepK < k) {
         const int chunk = full_steps * kStepChunks + t;
         WarpSteps<T, 1> step;
         step.load(lane, chunk, chunk < row_chunks);
-        step.multiply(acc);
+        multiply(step, chunk);
     }
 
     float c[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[i] = acc[0][i] + acc[1][i];
-    if constexpr (kWarps > 1) {
-        __shared__ float4 partial[kWarps - 1][32];
-        if (warp > 0) partial[warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
-        __syncthreads();
-        if (warp > 0) return;
+    __shared__ float4 partial[kWarps - 1][32];
+    __shared__ float sum_sq_part[kNorm ? kWarps : 1][8];
+    if (warp > 0) partial[warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
+    if constexpr (kNorm) {
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);  // the 4 lanes of row group g hold token g
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
+        if (t == 0) sum_sq_part[warp][g] = sum_sq;
+    }
+    __syncthreads();
+    if (warp > 0) return;
 #pragma unroll
-        for (int i = 0; i < kWarps - 1; ++i) {
-            const float4 p = partial[i][lane_id];
-            c[0] += p.x;
-            c[1] += p.y;
-            c[2] += p.z;
-            c[3] += p.w;
-        }
+    for (int i = 0; i < kWarps - 1; ++i) {
+        const float4 p = partial[i][lane_id];
+        c[0] += p.x;
+        c[1] += p.y;
+        c[2] += p.z;
+        c[3] += p.w;
     }
     // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1.
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const int token = 2 * t + j;
         if (token >= tokens) continue;
-        if (row < n) out[(int64_t)token * n + row] = from_float<T>(c[j]);
-        if (row + 8 < n) out[(int64_t)token * n + row + 8] = from_float<T>(c[2 + j]);
+        float scale = 1.0f;
+        if constexpr (kNorm) {
+            float total = 0.0f;
+#pragma unroll
+            for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
+            scale = rsqrtf(total / k + eps);
+        }
+        const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
+        if (row < n) out[lo] = from_float<T>(c[j] * scale + (accumulate ? to_float(out[lo]) : 0.0f));
+        if (row + 8 < n) out[hi] = from_float<T>(c[2 + j] * scale + (accumulate ? to_float(out[hi]) : 0.0f));
     }
 }
 
 // Fallback for rows that are not 16-byte aligned (K % 8 != 0, or offset views): one warp per row,
 // scalar loads. Correct at any shape, about an order of magnitude slower than the tensor-core path.
 template <typename T>
-__global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ out,
-                                   int tokens, int n, int k) {
+__global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict__ w,
+                                   const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k,
+                                   float eps, bool accumulate) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= n) return;
-    float acc[kGemvMaxTokens] = {};
+    float acc[kGemvMaxTokens] = {}, sum_sq[kGemvMaxTokens] = {};
     for (int i = lane; i < k; i += 32) {
         const float wv = to_float(w[(int64_t)row * k + i]);
+        const float gv = norm_weight ? to_float(norm_weight[i]) : 1.0f;
 #pragma unroll
-        for (int tok = 0; tok < kGemvMaxTokens; ++tok)
-            if (tok < tokens) acc[tok] += wv * to_float(x[(int64_t)tok * k + i]);
+        for (int tok = 0; tok < kGemvMaxTokens; ++tok) {
+            if (tok >= tokens) break;
+            float xv = to_float(x[(int64_t)tok * k + i]);
+            if (norm_weight) {
+                sum_sq[tok] = fmaf(xv, xv, sum_sq[tok]);
+                xv = to_float(from_float<T>(xv * gv));  // rounded as on the tensor-core path
+            }
+            acc[tok] = fmaf(wv, xv, acc[tok]);
+        }
     }
 #pragma unroll
     for (int tok = 0; tok < kGemvMaxTokens; ++tok) {
         if (tok >= tokens) break;
-        const float sum = warp_sum(acc[tok]);
-        if (lane == 0) out[(int64_t)tok * n + row] = from_float<T>(sum);
+        float sum = warp_sum(acc[tok]);
+        if (norm_weight) sum *= rsqrtf(warp_sum(sum_sq[tok]) / k + eps);
+        const int64_t idx = (int64_t)tok * n + row;
+        if (lane == 0) out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
     }
 }
 
+struct GemvArgs {
+    const void* x;
+    const void* w;
+    void* out;
+    int tokens, n, k;
+    ProjectionFusion fusion;
+    cudaStream_t stream;
+};
+
+template <typename T, int kWarps, int kUnroll, bool kNorm>
+void launch_mma(const GemvArgs& a) {
+    const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm>;
+    const int smem = kNorm ? a.k * (int)sizeof(T) : 0;
+    if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    launch_with_pdl(kernel, dim3((unsigned)ceil_div(a.n, kTileRows)), dim3(kWarps * 32), smem, a.stream, true,
+                    static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.fusion.norm_weight),
+                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate);
+}
+
 template <typename T, int kWarps, int kUnroll>
-void launch_mma(const T* x, const T* w, T* out, int tokens, int n, int k, cudaStream_t stream) {
-    launch_with_pdl(gemv_mma_kernel<T, kWarps, kUnroll>, dim3((unsigned)ceil_div(n, kTileRows)), dim3(kWarps * 32), 0,
-                    stream, true, x, w, out, tokens, n, k);
+void launch_norm_or_plain(const GemvArgs& a) {
+    if (a.fusion.norm_weight) return launch_mma<T, kWarps, kUnroll, true>(a);
+    return launch_mma<T, kWarps, kUnroll, false>(a);
 }
 
 template <typename T, int kWarps>
-void launch_warps(const T* x, const T* w, T* out, int tokens, int n, int k, int unroll, cudaStream_t stream) {
+void launch_warps(const GemvArgs& a, int unroll) {
     switch (unroll) {
-        case 2: return launch_mma<T, kWarps, 2>(x, w, out, tokens, n, k, stream);
-        case 4: return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, stream);
+        case 2: return launch_norm_or_plain<T, kWarps, 2>(a);
+        case 4: return launch_norm_or_plain<T, kWarps, 4>(a);
         default:  // 16 warps x 8 steps would spill: 16 warps take 4
-            if constexpr (kWarps < 16) return launch_mma<T, kWarps, 8>(x, w, out, tokens, n, k, stream);
-            else return launch_mma<T, kWarps, 4>(x, w, out, tokens, n, k, stream);
+            if constexpr (kWarps < 16) return launch_norm_or_plain<T, kWarps, 8>(a);
+            else return launch_norm_or_plain<T, kWarps, 4>(a);
     }
 }
 
 // Measured launch configurations (docs/perf-notes.md, "GEMV"): long rows want more warps per tile,
 // many tiles per SM a deeper unroll (the H200 sweep moved the threshold from 8 to 4 tiles per SM).
-GemvTuning default_tuning(int n, int k) {
+// With the RMSNorm fused, 8 warps x 2 steps was the fastest variant on every shape (H200 sweep).
+GemvTuning default_tuning(int n, int k, bool norm) {
     int device = 0, sm_count = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (norm) return {8, 2};
     if (k >= 8192) return {16, 4};
     if (ceil_div(n, kTileRows) >= 4 * sm_count) return {8, 8};
     return {8, 4};
 }
 
 template <typename T>
-void launch_typed(const void* x_ptr, const void* w_ptr, void* out_ptr, int tokens, int n, int k, GemvTuning tuning,
-                  cudaStream_t stream) {
-    const T* x = static_cast<const T*>(x_ptr);
-    const T* w = static_cast<const T*>(w_ptr);
-    T* out = static_cast<T*>(out_ptr);
-    const bool aligned = k % kChunk == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(w) % 16 == 0;
+void launch_typed(const GemvArgs& a, GemvTuning tuning) {
+    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool aligned = a.k % kChunk == 0 && aligned16(a.x) && aligned16(a.w) && aligned16(a.fusion.norm_weight);
     if (!aligned) {
         constexpr int kRowsPerBlock = 8;
-        gemv_scalar_kernel<T><<<ceil_div(n, kRowsPerBlock), kRowsPerBlock * 32, 0, stream>>>(x, w, out, tokens, n, k);
+        gemv_scalar_kernel<T><<<ceil_div(a.n, kRowsPerBlock), kRowsPerBlock * 32, 0, a.stream>>>(
+            static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.fusion.norm_weight),
+            static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate);
         return;
     }
-    const GemvTuning chosen = default_tuning(n, k);
+    const GemvTuning chosen = default_tuning(a.n, a.k, a.fusion.norm_weight != nullptr);
     const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block : chosen.warps_per_block;
     const int unroll = tuning.unroll > 0 ? tuning.unroll : chosen.unroll;
     switch (warps) {
-        case 4: return launch_warps<T, 4>(x, w, out, tokens, n, k, unroll, stream);
-        case 8: return launch_warps<T, 8>(x, w, out, tokens, n, k, unroll, stream);
-        default: return launch_warps<T, 16>(x, w, out, tokens, n, k, unroll, stream);
+        case 4: return launch_warps<T, 4>(a, unroll);
+        case 8: return launch_warps<T, 8>(a, unroll);
+        default: return launch_warps<T, 16>(a, unroll);
     }
 }
 
 }  // namespace
 
 void launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
-                 const GemvTuning& tuning, cudaStream_t stream) {
+                 const ProjectionFusion& fusion, const GemvTuning& tuning, cudaStream_t stream) {
+    const GemvArgs args{x, w, out, (int)tokens, (int)n, (int)k, fusion, stream};
     switch (dtype) {
-        case DType::kFloat16: launch_typed<half>(x, w, out, (int)tokens, (int)n, (int)k, tuning, stream); break;
-        case DType::kBFloat16:
-            launch_typed<__nv_bfloat16>(x, w, out, (int)tokens, (int)n, (int)k, tuning, stream);
-            break;
+        case DType::kFloat16: launch_typed<half>(args, tuning); break;
+        case DType::kBFloat16: launch_typed<__nv_bfloat16>(args, tuning); break;
         case DType::kFloat32: break;  // rejected by the binding: the tensor cores take 16-bit inputs
     }
 }

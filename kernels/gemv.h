@@ -13,9 +13,10 @@ struct GemvTuning {
     int unroll = 0;           // 16x32 warp steps per load batch: 2, 4 or 8 (at most 4 with 16 warps)
 };
 
-// x [tokens, k], w [n, k], out [tokens, n]; float16 or bfloat16, fp32 accumulation.
-// K a multiple of 8 with 16-byte aligned x and w takes the fast path; anything else a scalar one.
+// x [tokens, k], w [n, k], out [tokens, n]; float16 or bfloat16, fp32 accumulation; `fusion` as in
+// launch.h (g * x is rounded to the dtype: it feeds the tensor cores).
+// K a multiple of 8 with 16-byte aligned x, w and g takes the fast path; anything else a scalar one.
 void launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
-                 const GemvTuning& tuning, cudaStream_t stream);
+                 const ProjectionFusion& fusion, const GemvTuning& tuning, cudaStream_t stream);
 
 }  // namespace minfer

@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "hgemm.h"
+#include "device_utils.cuh"
 #include "hgemm_common.cuh"
 
 namespace minfer {
@@ -33,23 +34,6 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-
-// 16-byte global -> shared copy; `valid` false writes zeros (rows past M/N, columns past K).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

@@ -8,4 +8,16 @@ namespace minfer {
 // Element types the kernels are instantiated for.
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
+// What a decode projection kernel (GEMV, MACKO SpMV) may fuse around y = W x, so that a Llama
+// sublayer needs no separate RMSNorm or residual-add kernel:
+// - norm_weight g (same dtype, [K]): y = (W (g * x)) * rsqrt(mean(x^2) + eps) per token, i.e. W applied
+//   to RMSNorm(x); the mean of squares is accumulated from the x the kernel loads anyway and applied
+//   in the epilogue, so nothing runs before the main loop;
+// - accumulate: out += y in place (the residual add), instead of out = y.
+struct ProjectionFusion {
+    const void* norm_weight = nullptr;
+    float eps = 0.0f;
+    bool accumulate = false;
+};
+
 }  // namespace minfer

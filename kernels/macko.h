@@ -14,10 +14,11 @@ struct MackoTuning {
     int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };
 
-// out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens. x is [tokens, cols], out is [tokens, rows],
-// both contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
+// out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
+// residual add of a Llama sublayer, in place). x is [tokens, cols], out is [tokens, rows], both
+// contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                       void* out, int64_t rows, int64_t cols, int64_t tokens, DType dtype,
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
                        const MackoTuning& tuning, cudaStream_t stream);
 
 // out = W as a dense, contiguous [rows, cols] matrix (every element written).

@@ -48,16 +48,6 @@ template <> __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(uint32
     return __uint_as_float(bits << 16);
 }
 
-template <typename T> __device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
-template <> __device__ __forceinline__ float2 pair_to_float2<half>(uint32_t bits) {
-    __half2 h;
-    memcpy(&h, &bits, sizeof(h));
-    return __half22float2(h);
-}
-template <> __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint32_t bits) {
-    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-}
-
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -231,6 +221,7 @@ struct SpmvConsumer {
     void* smem;
     int rows, cols, tokens;   // tokens left from this pass's first one
     int lane;
+    bool accumulate;          // out += W x
     float acc[TT];
 
     __device__ __forceinline__ uint32_t load_x(int64_t i) const {
@@ -373,7 +364,10 @@ struct SpmvConsumer {
             const float sum = warp_sum(acc[t]);
             if (lane == t) mine = sum;
         }
-        if (lane < TT && lane < tokens) out[(int64_t)lane * rows + row] = from_float<T>(mine);
+        if (lane < TT && lane < tokens) {
+            const int64_t idx = (int64_t)lane * rows + row;
+            out[idx] = from_float<T>(mine + (accumulate ? to_float(out[idx]) : 0.0f));
+        }
     }
 };
 
@@ -382,13 +376,13 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __
                                                                  const uint32_t* __restrict__ deltas,
                                                                  const int* __restrict__ row_ptr,
                                                                  const uint16_t* x, T* __restrict__ out,
-                                                                 int rows, int cols, int tokens) {
+                                                                 int rows, int cols, int tokens, bool accumulate) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
     const int token0 = blockIdx.y * TT;
     SpmvConsumer<T, TT, X_IN_SMEM, PIPELINE> consumer{x + (int64_t)token0 * cols, out + (int64_t)token0 * rows, smem,
-                                            rows, cols, tokens - token0, lane, {}};
+                                            rows, cols, tokens - token0, lane, accumulate, {}};
     const int first_row = blockIdx.x * warps + threadIdx.x / kWarpSize;
     if constexpr (PIPELINE)
         walk_rows<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
@@ -525,20 +519,21 @@ dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_byte
 
 template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, int warps_per_block, cudaStream_t stream) {
+                       int rows, int cols, int tokens, bool accumulate, int warps_per_block, cudaStream_t stream) {
     auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM, PIPELINE>;
     const int smem = !X_IN_SMEM ? 0 : TT == 1 ? cols * (int)sizeof(float) : cols * TT * (int)sizeof(T);
     launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT)),
                     dim3(warps_per_block * kWarpSize), smem, stream, PIPELINE, static_cast<const uint4*>(values),
                     reinterpret_cast<const uint32_t*>(deltas), row_ptr, static_cast<const uint16_t*>(x),
-                    static_cast<T*>(out), rows, cols, tokens);
+                    static_cast<T*>(out), rows, cols, tokens, accumulate);
 }
 
 template <typename T, int STEPS>
 void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, int tokens_per_pass, bool x_in_smem, int warps_per_block,
-                       cudaStream_t stream) {
-    const auto args = std::make_tuple(values, deltas, row_ptr, x, out, rows, cols, tokens, warps_per_block, stream);
+                       int rows, int cols, int tokens, bool accumulate, int tokens_per_pass, bool x_in_smem,
+                       int warps_per_block, cudaStream_t stream) {
+    const auto args =
+        std::make_tuple(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps_per_block, stream);
     if (!x_in_smem) return std::apply(launch_spmv_typed<T, 1, STEPS, false>, args);
     switch (tokens_per_pass) {
         case 1: return std::apply(launch_spmv_typed<T, 1, STEPS, true>, args);
@@ -551,7 +546,8 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
 
 template <typename T>
 void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, const MackoTuning& tuning, cudaStream_t stream) {
+                       int rows, int cols, int tokens, bool accumulate, const MackoTuning& tuning,
+                       cudaStream_t stream) {
     const int smem_optin = device_limits().smem_optin;
     // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
     // are read once; one token per pass with fp32 x otherwise.
@@ -567,25 +563,26 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
                       : per_pass > 1             ? kMaxThreads / kWarpSize
                                                  : kDefaultWarpsPerBlock;
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
-        return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens, warps,
-                                                        stream);
+        return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
+                                                        accumulate, warps, stream);
     auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
-    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, per_pass, x_in_smem, warps, stream);
+    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, per_pass, x_in_smem, warps, stream);
 }
 
 }  // namespace
 
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                       void* out, int64_t rows, int64_t cols, int64_t tokens, DType dtype,
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
                        const MackoTuning& tuning, cudaStream_t stream) {
     if (rows == 0 || tokens == 0) return;
     switch (dtype) {
         case DType::kFloat16:
-            launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, tuning, stream);
+            launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, accumulate,
+                                    tuning, stream);
             break;
         case DType::kBFloat16:
             launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
-                                             tuning, stream);
+                                             accumulate, tuning, stream);
             break;
         case DType::kFloat32: break;  // rejected by the binding
     }

@@ -4,13 +4,14 @@ Layout follows HF `LlamaForCausalLM` (half-split RoPE, so checkpoints load witho
 except that q/k/v are fused into one `qkv_proj` and gate/up into one `gate_up_proj`: one matrix
 read per sublayer input. Every tensor is a buffer; the model only runs inference.
 
-The numerical steps go through `minfer.ops` (RMSNorm with the residual add, RoPE fused with the
-KV-cache write, SiLU-mul, decode attention): CUDA kernels on a GPU with the minfer backend, their
-pure-PyTorch references otherwise. Prefill attention uses torch SDPA.
+The numerical steps go through `minfer.ops` (projections, RMSNorm, RoPE fused with the KV-cache
+write, SiLU-mul, decode attention): CUDA kernels on a GPU with the minfer backend, their pure-PyTorch
+references otherwise. Prefill attention uses torch SDPA.
 
-Each sublayer ends with the fused-residual pattern `residual += out; x = norm(residual)`: a block
-takes the residual stream and its normalized copy and hands the next block both again, so the
-last norm of block i is the input norm of block i+1 (or the final `norm`).
+Each sublayer is `residual += proj_out(f(proj_in(norm(residual))))`, and the norm and the add are
+arguments of the projections (`Linear.forward(x, norm=, residual=)`): at decode the GEMV computes
+the RMS scale from the x it loads and adds its result into the residual stream in place, so a
+layer runs no norm or add kernel of its own (other formats and prefill run them as separate ops).
 """
 
 from __future__ import annotations
@@ -113,8 +114,12 @@ class Linear(nn.Module):
             raise MinferError(f"a {fmt.name} weight of shape {fmt.shape} cannot replace one of shape {self.fmt.shape}")
         self.fmt = fmt
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fmt(x)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """self(norm(x)), added into `residual` in place when given (WeightFormat.project: decode
+        kernels fuse the norm and the add)."""
+        if norm is None and residual is None:
+            return self.fmt(x)
+        return self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual)
 
 
 class Embedding(nn.Module):
@@ -135,10 +140,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """residual += x in place; returns the normalized residual."""
-        return ops.add_rms_norm(residual, x, self.weight, self.eps)
-
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -149,18 +150,19 @@ class Attention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        batch, seq, _ = x.shape
+    def forward(self, residual: torch.Tensor, norm: RMSNorm, input_pos: torch.Tensor, kv_len: int,
+                mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """residual += o_proj(attention(qkv_proj(norm(residual)))), in place."""
+        batch, seq, _ = residual.shape
         d = self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = self.qkv_proj(residual, norm=norm).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(batch, seq, self.num_heads, d)
         k = k.view(batch, seq, self.num_kv_heads, d)
         v = v.view(batch, seq, self.num_kv_heads, d)
         cache = self.kv_cache
         ops.rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
         out = attention(q, cache, input_pos, kv_len, mask, self.scale)
-        return self.o_proj(out.reshape(batch, seq, self.num_heads * d))
+        self.o_proj(out.reshape(batch, seq, self.num_heads * d), residual=residual)
 
 
 class MLP(nn.Module):
@@ -169,8 +171,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)  # rows: gate, then up
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, residual: torch.Tensor, norm: RMSNorm) -> None:
+        """residual += down_proj(silu(gate) * up) of gate_up_proj(norm(residual)), in place."""
+        self.down_proj(ops.silu_mul(self.gate_up_proj(residual, norm=norm)), residual=residual)
 
 
 class Block(nn.Module):
@@ -181,11 +184,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, residual: torch.Tensor, x: torch.Tensor, input_pos: torch.Tensor, kv_len: int,
-                mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], next_norm: RMSNorm) -> torch.Tensor:
-        """x = input_layernorm(residual). Updates residual in place; returns next_norm(residual)."""
-        x = self.post_attention_layernorm.add_forward(residual, self.self_attn(x, input_pos, kv_len, mask, rope))
-        return next_norm.add_forward(residual, self.mlp(x))
+    def forward(self, residual: torch.Tensor, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Updates the residual stream in place: attention, then the MLP, each on its normed input."""
+        self.self_attn(residual, self.input_layernorm, input_pos, kv_len, mask, rope)
+        self.mlp(residual, self.post_attention_layernorm)
 
 
 class Transformer(nn.Module):
@@ -278,8 +281,6 @@ class Transformer(nn.Module):
             mask = torch.where(visible, 0.0, float("-inf")).to(self.embed_tokens.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)
         residual = self.embed_tokens(tokens)
-        x = self.layers[0].input_layernorm(residual) if len(self.layers) else self.norm(residual)
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x = layer(residual, x, input_pos, kv_len, mask, rope, next_norm)
-        return self.lm_head(x[:, -1:] if last_logits_only else x)
+        for layer in self.layers:
+            layer(residual, input_pos, kv_len, mask, rope)
+        return self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)

@@ -175,34 +175,53 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
 GEMV_MAX_TOKENS = 8  # kernels/gemv.h: the tokens are the n = 8 side of the tensor-core tile
 
 
-def linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T with fp32 accumulation, in x's dtype: the oracle of gemv and hgemm."""
-    return (x.float() @ w.float().t()).to(x.dtype)
+def linear_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T with fp32 accumulation, in x's dtype: the oracle of gemv and hgemm.
+
+    With `norm_weight` g, of RMSNorm(x) = g * x * rsqrt(mean(x^2) + eps) as the fused kernels compute
+    it: g * x rounded to the dtype, the per-token scale applied to the fp32 product. With `residual`,
+    residual + that, rounded once (the fused residual add)."""
+    if norm_weight is None:
+        y = x.float() @ w.float().t()
+    else:
+        scale = torch.rsqrt(x.float().square().mean(dim=-1, keepdim=True) + eps)
+        y = ((x * norm_weight).float() @ w.float().t()) * scale
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
 
 
 @fake_impl("minfer::gemv")
-def _gemv_fake(x, w, out, warps_per_block=0, unroll=0):
+def _gemv_fake(x, w, out, norm_weight=None, eps=0.0, accumulate=False, warps_per_block=0, unroll=0):
     return None
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *, warps_per_block: int = 0,
-         unroll: int = 0) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False,
+         warps_per_block: int = 0, unroll: int = 0) -> torch.Tensor:
     """x @ w.T for decode: x [..., K] holding 1..8 tokens in all, w [N, K] -> [..., N], fp32 accumulation.
 
-    `warps_per_block` (4, 8, 16) and `unroll` (2, 4, 8) override the kernel's launch configuration
-    (0: the measured default for the shape); `minfer.bench.gemv_sweep` times them."""
+    Fusions of a Llama sublayer, so decode needs no norm or add kernel: `norm_weight` [K] multiplies
+    RMSNorm(x) (eps as in the model) instead of x; `accumulate` adds the product into `out` in place
+    (the residual stream) instead of overwriting it. `warps_per_block` (4, 8, 16) and `unroll`
+    (2, 4, 8) override the kernel's launch configuration (0: the measured default for the shape);
+    `minfer.bench.gemv_sweep` times them."""
     k = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != k:
         raise FormatError(f"gemv needs w [N, {k}] for x [..., {k}], got w {tuple(w.shape)}")
     tokens = x.numel() // max(k, 1)
     if not 1 <= tokens <= GEMV_MAX_TOKENS:
         raise FormatError(f"gemv takes 1..{GEMV_MAX_TOKENS} tokens, got {tokens}; use a GEMM (hgemm, F.linear) for more")
+    if accumulate and out is None:
+        raise FormatError("gemv(accumulate=True) adds into `out`: pass the tensor to add into")
     if out is None:
         out = x.new_empty(*x.shape[:-1], w.shape[0])
     if use_kernels(x):
-        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]), warps_per_block, unroll)
+        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]), norm_weight, eps, accumulate,
+                              warps_per_block, unroll)
     else:
-        out.copy_(linear_reference(x, w))
+        out.copy_(linear_reference(x, w, norm_weight, eps, out if accumulate else None))
     return out
 
 
@@ -315,14 +334,15 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
 
 
 def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
-                         x: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ W.T with W decompressed, in fp32: the CPU path and the oracle."""
+                         x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ W.T with W decompressed, in fp32 (plus `residual`, rounded once): the CPU path and the oracle."""
     weight = macko_decompress_reference(values, deltas, row_ptr, x.shape[-1])
-    return F.linear(x.float(), weight.float()).to(x.dtype)
+    y = F.linear(x.float(), weight.float())
+    return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
 @fake_impl("minfer::macko_spmv")
-def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps=0, warps_per_block=0, x_in_smem=-1, pipeline=1):
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline, accumulate):
     return None
 
 
@@ -332,9 +352,10 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
 
 
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
-               out: torch.Tensor | None = None, *, steps: int = 0, warps_per_block: int = 0,
+               out: torch.Tensor | None = None, *, accumulate: bool = False, steps: int = 0, warps_per_block: int = 0,
                x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
-    """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1).
+    """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
+    `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
     passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
@@ -343,12 +364,15 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     The op's schema has no defaults (a defaulted argument segfaulted another op on the device), so
     this wrapper passes every knob.
     """
+    if accumulate and out is None:
+        raise FormatError("macko_spmv(accumulate=True) adds into `out`: pass the tensor to add into")
     if out is None:
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
     if use_kernels(x):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline,
+                                    accumulate)
     else:
-        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x))
+        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None))
     return out
 
 

@@ -13,6 +13,16 @@ def linear_reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double() @ w.double().t()
 
 
+def fused_linear_reference64(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                             residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + RMSNorm(x; norm_weight, eps) @ w.T in float64 (either part optional)."""
+    x64 = x.double()
+    if norm_weight is not None:
+        x64 = x64 * torch.rsqrt(x64.square().mean(dim=-1, keepdim=True) + eps) * norm_weight.double()
+    y = x64 @ w.double().t()
+    return y if residual is None else y + residual.double()
+
+
 def random_linear_problem(rows: int, n: int, k: int, dtype: torch.dtype, device="cuda"):
     """x [rows, K], w [N, K] scaled to unit-variance outputs, and out [rows, N] poisoned with NaN."""
     x = torch.randn(rows, k, device=device, dtype=dtype)

@@ -6,7 +6,7 @@ import torch
 from minfer import ops
 from minfer.errors import FormatError
 from tests.conftest import requires_cuda
-from tests.numerics import linear_reference64, random_linear_problem, rel_error
+from tests.numerics import fused_linear_reference64, linear_reference64, random_linear_problem, rel_error
 
 DTYPES = [torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # about 4x the rounding of the output dtype
@@ -103,11 +103,101 @@ def test_gemv_chain_in_cuda_graph():
         assert rel_error(y, expected) < 2 * TOLERANCE[dtype]
 
 
+FUSIONS = [(True, False), (False, True), (True, True)]  # (RMSNorm of x, add into out)
+FUSED_SHAPES = [(77, 1000), (129, 4096), (300, 4104), (4099, 264), (16901, 4104), (33, 1001), (7, 13)]
+
+
+def fused_problem(tokens, n, k, dtype, norm, accumulate, device="cuda"):
+    """x off unit scale (so the RMS scale matters), a norm weight around 1, a residual to add into."""
+    x, w, out = random_linear_problem(tokens, n, k, dtype, device)
+    x = (x.float() * 7.0).to(dtype)
+    g = (1.0 + 0.3 * torch.randn(k, device=device)).to(dtype) if norm else None
+    residual = torch.randn(tokens, n, device=device, dtype=dtype) if accumulate else None
+    return x, w, g, residual if accumulate else out
+
+
+@pytest.mark.parametrize("norm,accumulate", FUSIONS)
+def test_cpu_fused_reference(norm, accumulate):
+    x, w, g, out = fused_problem(3, 24, 40, torch.float32, norm, accumulate, device="cpu")
+    expected = fused_linear_reference64(x, w, g, 1e-5, out.clone() if accumulate else None)
+    ops.gemv(x, w, out=out, norm_weight=g, eps=1e-5, accumulate=accumulate)
+    assert rel_error(out, expected) < 1e-6
+
+
+@requires_cuda
+@pytest.mark.parametrize("norm,accumulate", FUSIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("n,k", FUSED_SHAPES)
+def test_fused_gemv_matches_float64(n, k, tokens, dtype, norm, accumulate):
+    """RMSNorm of x (scale from the loaded x, applied in the epilogue) and the in-place residual add,
+    on the tensor-core path and the scalar fallback (K % 8 != 0)."""
+    x, w, g, out = fused_problem(tokens, n, k, dtype, norm, accumulate)
+    expected = fused_linear_reference64(x, w, g, 1e-5, out.clone() if accumulate else None)
+    ops.gemv(x, w, out=out, norm_weight=g, eps=1e-5, accumulate=accumulate)
+    assert not out.isnan().any(), "some outputs were never written"
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+
+
+@requires_cuda
+@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
+def test_fused_gemv_every_launch_configuration(warps, unroll):
+    x, w, g, out = fused_problem(2, 300, 4104, torch.float16, True, True)
+    expected = fused_linear_reference64(x, w, g, 1e-6, out.clone())
+    ops.gemv(x, w, out=out, norm_weight=g, eps=1e-6, accumulate=True, warps_per_block=warps, unroll=unroll)
+    assert rel_error(out, expected) < TOLERANCE[torch.float16]
+
+
+@requires_cuda
+def test_fused_gemv_rejects_bad_arguments():
+    x, w, g, out = fused_problem(1, 64, 64, torch.float16, True, False)
+    with pytest.raises(FormatError, match="pass the tensor to add into"):
+        ops.gemv(x, w, accumulate=True)
+    with pytest.raises(RuntimeError, match="norm_weight must be"):
+        ops.gemv(x, w, out=out, norm_weight=g[:32])
+    with pytest.raises(RuntimeError, match="must not overlap"):
+        ops.gemv(x, w, out=x, accumulate=True)
+
+
+@requires_cuda
+def test_sublayer_chain_in_cuda_graph():
+    """A decode sublayer as the model runs it: GEMV 1 adds into the residual stream in place and
+    GEMV 2 reads that residual with the RMSNorm fused, in one graph (the PDL wait must order them)."""
+    dtype, hidden = torch.float16, 2048
+    h = torch.randn(1, 1024, device="cuda", dtype=dtype)
+    w1 = (torch.randn(hidden, 1024, device="cuda") / 32).to(dtype)
+    w2 = (torch.randn(3000, hidden, device="cuda") / hidden**0.5).to(dtype)
+    g = (1.0 + 0.3 * torch.randn(hidden, device="cuda")).to(dtype)
+    residual = torch.randn(1, hidden, device="cuda", dtype=dtype)
+    y = torch.empty(1, 3000, device="cuda", dtype=dtype)
+
+    def sublayer():
+        ops.gemv(h, w1, out=residual, accumulate=True)
+        ops.gemv(residual, w2, out=y, norm_weight=g, eps=1e-5)
+
+    sublayer()  # eager run: builds and warms up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sublayer()
+    for _ in range(3):
+        h.copy_(torch.randn_like(h))
+        start = torch.randn_like(residual)
+        residual.copy_(start)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        updated = fused_linear_reference64(h, w1, None, 0.0, start)
+        assert rel_error(residual, updated) < TOLERANCE[dtype]
+        assert rel_error(y, fused_linear_reference64(updated.to(dtype), w2, g, 1e-5, None)) < 2 * TOLERANCE[dtype]
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gemv_opcheck(dtype):
     x, w, out = random_linear_problem(3, 48, 96, dtype)
     torch.library.opcheck(torch.ops.minfer.gemv.default, (x, w, out))
+    g = torch.ones(96, device="cuda", dtype=dtype)
+    torch.library.opcheck(torch.ops.minfer.gemv.default, (x, w, out, g, 1e-5, True))
 
 
 @requires_cuda

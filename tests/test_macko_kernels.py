@@ -122,7 +122,7 @@ def test_opcheck():
     for tokens in (1, 5):
         x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
         out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
-        torch.library.opcheck(torch.ops.minfer.macko_spmv, (values, deltas, row_ptr, x, out, 0, 0, -1, 1))
+        torch.library.opcheck(torch.ops.minfer.macko_spmv, (values, deltas, row_ptr, x, out, 0, 0, -1, 1, False))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
@@ -155,6 +155,32 @@ def test_weight_forward_decode_and_prefill_paths(tokens):
     assert torch.equal(weight.to_dense(), matrix)
 
 
+@pytest.mark.parametrize("tuning", [{}, dict(x_in_smem=0), dict(pipeline=0)], ids=["default", "x-global", "reference"])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_spmv_accumulates_into_out(tokens, tuning):
+    """accumulate=True adds W x into out in place (the residual add), on every kernel path."""
+    if tokens > 1 and tuning:
+        pytest.skip("the global-x and reference paths run one token per pass: covered by tokens=1")
+    matrix = sparse_matrix(300, 1000, 0.3, seed=tokens)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
+    residual = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
+    expected = residual.double() + x.double() @ matrix.double().T
+    ops.macko_spmv(values, deltas, row_ptr, x, out=residual, accumulate=True, **tuning)
+    assert ((residual.double() - expected).norm() / expected.norm()).item() < 2e-3
+
+
+def test_weight_project_adds_into_the_residual():
+    matrix = sparse_matrix(64, 256, 0.5, seed=3)
+    weight = MackoWeight.from_dense(matrix)
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.float16)
+    g = torch.rand(256, device="cuda", dtype=torch.float16) + 0.5
+    residual = torch.randn(1, 1, 64, device="cuda", dtype=torch.float16)
+    expected = residual.double() + ops.rms_norm_reference(x, g, 1e-5).double() @ matrix.double().T
+    assert weight.project(x, g, 1e-5, residual) is residual
+    assert ((residual.double() - expected).norm() / expected.norm()).item() < 2e-3
+
+
 def small_macko():
     ops.build()  # these tests call torch.ops.minfer directly
     values, deltas, row_ptr = compress(sparse_matrix(8, 64, 0.5))
@@ -165,14 +191,14 @@ def test_binding_rejects_dtype_mismatch():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, 0, 0, -1, 1)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_wrong_out_shape():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, 0, 0, -1, 1)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_misaligned_values():
@@ -180,4 +206,4 @@ def test_binding_rejects_misaligned_values():
     misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, 1)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, 1, False)

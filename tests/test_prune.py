@@ -63,11 +63,12 @@ def wanda_direct(model: Transformer, tokens: torch.Tensor, density: float) -> No
         inputs = {}
 
         def capture(name):
-            def hook(module, args):
-                inputs[name] = args[0]
+            def hook(module, args, kwargs):  # what the projection multiplies: its input, normed if it norms
+                norm = kwargs.get("norm")
+                inputs[name] = args[0] if norm is None else norm(args[0])
             return hook
 
-        hooks = [m.register_forward_pre_hook(capture(name)) for name, m in layer.named_modules()
+        hooks = [m.register_forward_pre_hook(capture(name), with_kwargs=True) for name, m in layer.named_modules()
                  if isinstance(m, Linear)]
         with torch.no_grad():
             model(tokens, torch.arange(tokens.shape[1]), kv_len=tokens.shape[1])

@@ -12,6 +12,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .. import ops
+
 
 class WeightFormat(nn.Module, metaclass=ABCMeta):
     """A weight matrix W of shape (N, K) in some storage format; forward(x) = x @ W.T.
@@ -39,6 +41,16 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
     @abstractmethod
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x[..., K] -> [..., N]."""
+
+    def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The step a Llama sublayer takes around a projection: forward(RMSNorm(x)) with `norm_weight`,
+        added into `residual` in place (and returned) when one is given. This version runs the norm and
+        the add as ops of their own; a format whose decode kernel fuses them overrides it."""
+        if norm_weight is not None:
+            x = ops.rms_norm(x, norm_weight, eps)
+        y = self(x)
+        return y if residual is None else residual.add_(y)
 
     @property
     def shape(self) -> tuple[int, int]:

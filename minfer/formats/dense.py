@@ -27,12 +27,24 @@ class DenseWeight(WeightFormat):
     def to_dense(self) -> torch.Tensor:
         return self.weight
 
+    def _runs_kernels(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16) and ops.use_kernels(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.numel() // max(x.shape[-1], 1)
         n, k = self.weight.shape
-        if x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16) and ops.use_kernels(x):
+        if self._runs_kernels(x):
             if 1 <= tokens <= ops.GEMV_MAX_TOKENS:
                 return ops.gemv(x, self.weight)
             if n % 8 == 0 and k % 8 == 0:
                 return ops.hgemm(x, self.weight)
         return F.linear(x, self.weight)
+
+    def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode runs the norm and the residual add inside the GEMV (no kernels of their own)."""
+        tokens = x.numel() // max(x.shape[-1], 1)
+        if self._runs_kernels(x) and 1 <= tokens <= ops.GEMV_MAX_TOKENS:
+            return ops.gemv(x, self.weight, out=residual, norm_weight=norm_weight, eps=eps,
+                            accumulate=residual is not None)
+        return super().project(x, norm_weight, eps, residual)

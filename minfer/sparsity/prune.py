@@ -88,33 +88,32 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
     rope = (model.rope_cos, model.rope_sin)
     batches = tokens.to(device).split(batch_size)
     residuals = [model.embed_tokens(batch) for batch in batches]
-    normed = [model.layers[0].input_layernorm(r) for r in residuals]
 
-    layers = list(model.layers)
-    for i, layer in enumerate(tqdm(layers, desc="wanda pruning", unit="block", disable=not progress)):
-        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.norm
+    for i, layer in enumerate(tqdm(list(model.layers), desc="wanda pruning", unit="block", disable=not progress)):
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
         squares = {name: torch.zeros(m.fmt.in_features, dtype=torch.float32, device=device)
                    for name, m in linears.items()}
 
         def accumulate(name):
-            def hook(_, args):
-                x = args[0].float()
+            def hook(_, args, kwargs):
+                x = args[0]
+                norm = kwargs.get("norm")
+                x = (norm(x) if norm is not None else x).float()  # what the projection multiplies
                 squares[name].add_(x.square().reshape(-1, x.shape[-1]).sum(dim=0))
             return hook
 
-        hooks = [m.register_forward_pre_hook(accumulate(name)) for name, m in linears.items()]
+        hooks = [m.register_forward_pre_hook(accumulate(name), with_kwargs=True) for name, m in linears.items()]
         try:
-            for r, x in zip(residuals, normed):  # statistics of the unpruned block
-                layer(r.clone(), x, input_pos, seq_len, None, rope, next_norm)
+            for r in residuals:  # statistics of the unpruned block
+                layer(r.clone(), input_pos, seq_len, None, rope)
         finally:
             for h in hooks:
                 h.remove()
         for name, m in linears.items():
             weight = _dense_weight(m, f"layers.{i}.{name}")
             prune_by_score_(weight, wanda_score(weight, squares[name].sqrt()), density)
-        # the next block's inputs come from this block, pruned (residuals are updated in place)
-        normed = [layer(r, x, input_pos, seq_len, None, rope, next_norm) for r, x in zip(residuals, normed)]
+        for r in residuals:  # the next block's inputs come from this block, pruned (updated in place)
+            layer(r, input_pos, seq_len, None, rope)
 
 
 def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | Path | None = None) -> torch.Tensor:
