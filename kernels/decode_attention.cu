@@ -19,9 +19,10 @@ constexpr int kRows = kDecodeAttnStepRows;
 constexpr int kWarps = kDecodeAttnWarps;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRoundRows = kRows * kWarps;   // a block's share is a multiple of this
-// Default K/V ring per warp: 2 steps at D 128, 4 at D 64. The H100 sweep (docs/perf-notes.md) found
-// deeper rings 3-10% slower at every context from 4k to 32k.
-constexpr int kWarpRingBytes = 16 * 1024;
+// Default K/V ring per warp: 4 steps at D 128, 8 at D 64. Since the first ring steps are issued
+// before the PDL wait, the H200 sweep (docs/perf-notes.md, session 7) found 4 steps at D 128 faster
+// than 2 at every context from 640 to 32k (2 had been best on the H100 without that prefetch).
+constexpr int kWarpRingBytes = 32 * 1024;
 constexpr int kMaxStages = 12;
 constexpr int kMergeBatch = 8;               // partials loaded together by the final merge
 constexpr float kLog2e = 1.4426950408889634f;
