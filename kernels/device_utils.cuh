@@ -44,22 +44,19 @@ template <> __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint
     return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
 }
 
+// The packed pair type of T (two values in 32 bits) for the *2 intrinsics.
+template <typename T> struct PairOf;
+template <> struct PairOf<half> { using type = __half2; };
+template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
+
 // Elementwise product of two 16-bit pairs, rounded to T.
-template <typename T> __device__ __forceinline__ uint32_t multiply_pairs(uint32_t a, uint32_t b);
-template <> __device__ __forceinline__ uint32_t multiply_pairs<half>(uint32_t a, uint32_t b) {
-    __half2 x, y;
+template <typename T>
+__device__ __forceinline__ uint32_t multiply_pairs(uint32_t a, uint32_t b) {
+    using Pair = typename PairOf<T>::type;
+    Pair x, y;
     memcpy(&x, &a, sizeof(x));
     memcpy(&y, &b, sizeof(y));
-    const __half2 product = __hmul2(x, y);
-    uint32_t bits;
-    memcpy(&bits, &product, sizeof(bits));
-    return bits;
-}
-template <> __device__ __forceinline__ uint32_t multiply_pairs<__nv_bfloat16>(uint32_t a, uint32_t b) {
-    __nv_bfloat162 x, y;
-    memcpy(&x, &a, sizeof(x));
-    memcpy(&y, &b, sizeof(y));
-    const __nv_bfloat162 product = __hmul2(x, y);
+    const Pair product = __hmul2(x, y);
     uint32_t bits;
     memcpy(&bits, &product, sizeof(bits));
     return bits;
