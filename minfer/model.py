@@ -114,7 +114,8 @@ class Linear(nn.Module):
             raise MinferError(f"a {fmt.name} weight of shape {fmt.shape} cannot replace one of shape {self.fmt.shape}")
         self.fmt = fmt
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """self(norm(x)), added into `residual` in place when given (WeightFormat.project: decode
         kernels fuse the norm and the add)."""
         if norm is None and residual is None:
@@ -155,7 +156,8 @@ class Attention(nn.Module):
         """residual += o_proj(attention(qkv_proj(norm(residual)))), in place."""
         batch, seq, _ = residual.shape
         d = self.head_dim
-        q, k, v = self.qkv_proj(residual, norm=norm).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = self.qkv_proj(residual, norm=norm).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.view(batch, seq, self.num_heads, d)
         k = k.view(batch, seq, self.num_kv_heads, d)
         v = v.view(batch, seq, self.num_kv_heads, d)

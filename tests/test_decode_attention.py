@@ -170,7 +170,8 @@ def test_newest_row_from_the_kernel_right_before(head_dim):
     q, k_cache, v_cache, pos = problem(batch, q_heads, kv_heads, head_dim, max_seq_len, max_seq_len, torch.float16)
     qkv = torch.randn(batch, 1, q_heads + 2 * kv_heads, head_dim, device="cuda").half()
     q_new, k_new, v_new = qkv.split([q_heads, kv_heads, kv_heads], dim=2)
-    cos, sin = torch.ones(max_seq_len, head_dim // 2, device="cuda"), torch.zeros(max_seq_len, head_dim // 2, device="cuda")
+    cos = torch.ones(max_seq_len, head_dim // 2, device="cuda")  # RoPE as the identity: k_new lands as it is
+    sin = torch.zeros(max_seq_len, head_dim // 2, device="cuda")
     workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, max_seq_len, "cuda")
     out = torch.empty_like(q)
 
