@@ -89,8 +89,10 @@ struct WarpSteps {
 // otherwise ptxas interleaves loads with the mmas that wait on them and few bytes stay in flight).
 // Needs K % 8 == 0 and 16-byte aligned x, w and norm_weight (the launcher checks). kNorm: g * x
 // feeds the mmas and the outputs are scaled by rsqrt(mean(x^2) + eps); dynamic shared memory K * 2 bytes.
+// The fused-norm 2-step variant (the default with a norm) is held to 80 registers, 3 blocks of 8
+// warps per SM: it needed 83, which allocates as 88 and fits only 2 (ncu, H200). Others: ptxas's choice.
 template <typename T, int kWarps, int kUnroll, bool kNorm>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kWarps * 32) : 0)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ norm_weight,
                     T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate) {
     static_assert(kWarps > 1, "the epilogue reduces the warps' partials in shared memory");
