@@ -19,17 +19,23 @@ __global__ void rope_write_kv_kernel(T* q, const T* k, const T* v, const float* 
                                      T* __restrict__ v_cache, RopeShape shape, TokenHeadStrides qs,
                                      TokenHeadStrides ks, TokenHeadStrides vs) {
     allow_dependents_to_launch();
-    wait_for_previous_kernel();  // q, k, v come from the previous kernel: plain (not .nc) loads below
     const int64_t b = blockIdx.x / shape.tokens, t = blockIdx.x % shape.tokens;
     const int64_t item = blockIdx.y * (int64_t)kThreads + threadIdx.x;
     const int64_t heads = shape.q_heads + 2 * shape.kv_heads;
-    if (item >= heads * shape.half_dim) return;
-    const int64_t pos = input_pos[t];
-    if (pos < 0 || pos >= shape.max_seq_len) return;
+    // input_pos and the tables are read before the PDL wait (rope.h: input_pos may not come from the
+    // kernel right before), so only q, k and v cost a round trip after it. Every thread waits, also
+    // those with nothing to do: this kernel must not complete before the one ahead of it.
     const int64_t head = item / shape.half_dim, i = item % shape.half_dim;
+    const int64_t pos = item < heads * shape.half_dim ? input_pos[t] : -1;
+    const bool active = pos >= 0 && pos < shape.max_seq_len;
+    const bool is_v = head >= shape.q_heads + shape.kv_heads;
+    const float c = active && !is_v ? cos[pos * shape.half_dim + i] : 0.0f;
+    const float s = active && !is_v ? sin[pos * shape.half_dim + i] : 0.0f;
+    wait_for_previous_kernel();  // q, k, v come from the previous kernel: plain (not .nc) loads below
+    if (!active) return;
     const int64_t head_dim = 2 * shape.half_dim;
 
-    if (head >= shape.q_heads + shape.kv_heads) {  // v: a plain copy into the cache
+    if (is_v) {  // v: a plain copy into the cache
         const int64_t h = head - shape.q_heads - shape.kv_heads;
         const T* src = v + b * vs.batch + t * vs.token + h * vs.head;
         T* dst = v_cache + ((b * shape.kv_heads + h) * shape.max_seq_len + pos) * head_dim;
@@ -37,7 +43,6 @@ __global__ void rope_write_kv_kernel(T* q, const T* k, const T* v, const float* 
         dst[i + shape.half_dim] = src[i + shape.half_dim];
         return;
     }
-    const float c = cos[pos * shape.half_dim + i], s = sin[pos * shape.half_dim + i];
     const bool is_q = head < shape.q_heads;
     const int64_t h = is_q ? head : head - shape.q_heads;
     const T* src = is_q ? q + b * qs.batch + t * qs.token + h * qs.head : k + b * ks.batch + t * ks.token + h * ks.head;
