@@ -44,11 +44,21 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, T* __
     using P = Pack<T, VEC>;
     constexpr int kPacks = packs_per_thread(VEC);
     allow_dependents_to_launch();
-    wait_for_previous_kernel();
     const int packs = (int)(hidden / VEC);
     const int64_t row_offset = blockIdx.x * hidden;
     const P* x_row = reinterpret_cast<const P*>(x + row_offset);
     P* res_row = reinterpret_cast<P*>(residual + row_offset);
+
+    // The weight is no activation: load it before the PDL wait, so that after the reduction nothing
+    // waits for memory again.
+    const P* w = reinterpret_cast<const P*>(weight);
+    P wv[kPacks];
+#pragma unroll
+    for (int k = 0; k < kPacks; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < packs) wv[k] = w[i];
+    }
+    wait_for_previous_kernel();
 
     // Issue every load before the first use so they are in flight together.
     P vals[kPacks], res[kPacks];
@@ -81,13 +91,12 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(const T* x, T* __
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq) / (float)hidden + eps);
 
-    const P* w = reinterpret_cast<const P*>(weight);
     P* out_row = reinterpret_cast<P*>(out + row_offset);
 #pragma unroll
     for (int k = 0; k < kPacks; ++k) {
         const int i = threadIdx.x + k * blockDim.x;
         if (i < packs) {
-            const P wk = w[i];
+            const P wk = wv[k];
             P o;
 #pragma unroll
             for (int j = 0; j < VEC; ++j) {  // HF: weight * normed.to(input dtype)
