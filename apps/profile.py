@@ -124,12 +124,17 @@ def decode_timeline(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.timeline and args.op != DECODE:
+        parser.error("--timeline traces decode steps: use it with --op decode")
+    if args.steps < 2 or args.context < 1 or args.iters < 1:
+        parser.error("--steps must be at least 2, --context and --iters at least 1")
+    if not 0.0 < args.density <= 1.0:
+        parser.error(f"--density must lie in (0, 1], got {args.density}")
     try:
         if not torch.cuda.is_available():
             raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")
-        if args.timeline and args.op != DECODE:
-            raise MinferError("--timeline traces decode steps: use it with --op decode")
         if args.op == DECODE:
             decode_timeline(args) if args.timeline else profile_decode(args)
         else:

@@ -20,6 +20,17 @@ from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
 from tests.conftest import requires_cuda
 
 APP = Path(__file__).resolve().parent.parent / "apps" / "generate.py"
+PROFILE_APP = APP.with_name("profile.py")
+
+
+def load_app(path: Path):
+    """An app's module, loaded in this process (a subprocess each is slow)."""
+    spec = importlib.util.spec_from_file_location(path.stem + "_app", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -114,10 +125,8 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--max-new-tokens", "many"], ["invalid int value"]),
 ])
 def test_bad_flag_values_in_process(capsys, args, fragments):
-    """The same contract for flag values, through main() in this process (a subprocess each is slow)."""
-    spec = importlib.util.spec_from_file_location("generate_app", APP)
-    app = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(app)
+    """The same contract for flag values, through main() in this process."""
+    app = load_app(APP)
     try:
         code = app.main(["--device", "cpu", *args])
     except SystemExit as exit_:  # argparse rejects the flag itself
@@ -196,3 +205,21 @@ def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint
     minfer_ids = json.loads(cli(*args, "--backend", "minfer").stdout)["generated_ids"]
     assert json.loads(cli(*args, "--backend", "torch").stdout)["generated_ids"] == minfer_ids  # CPU: same references
     assert_input_error(cli(*args, env={"MINFER_BACKEND": "cuda-magic"}), "unknown backend 'cuda-magic'")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "gemv", "--timeline"], "use it with --op decode"),
+    (["--op", "decode", "--timeline", "--steps", "1"], "--steps must be at least 2"),
+    (["--op", "decode", "--timeline", "--sparse", "macko", "--density", "1.5"], "--density must lie in"),
+])
+def test_profile_app_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_app(PROFILE_APP).main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when no GPU is visible")
+def test_profile_app_without_a_gpu_says_so(capsys):
+    assert load_app(PROFILE_APP).main(["--op", "decode", "--timeline"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
