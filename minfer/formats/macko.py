@@ -160,10 +160,10 @@ class MackoWeight(WeightFormat):
         tokens = x.numel() // max(self.in_features, 1)
         fused_add = (residual is not None and residual.is_contiguous() and ops.use_kernels(x)
                      and self.values.dtype != torch.float32 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS)
-        if not fused_add:
-            return super().project(x, norm_weight, eps, residual)
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, eps)
+        if not fused_add:
+            return super().project(x, residual=residual)
         flat = x.reshape(-1, self.in_features).contiguous()
         ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, out=residual.view(tokens, self.out_features),
                        accumulate=True)
