@@ -116,7 +116,7 @@ minfer::ProjectionFusion projection_fusion(const std::optional<at::Tensor>& norm
 }
 
 void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::optional<at::Tensor>& norm_weight,
-          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll, int64_t stages_per_block) {
+          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
@@ -136,15 +136,11 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
                  "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
     MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
                  "minfer.gemv: unroll must be 0 (auto), 2, 4 or 8 (8 only with fewer than 16 warps)");
-    MINFER_CHECK(stages_per_block >= 0 && stages_per_block <= 16, "minfer.gemv: stages_per_block must be in 0 (auto)..16");
-    MINFER_CHECK(stages_per_block == 0 || (warps_per_block == 0 && unroll == 0),
-                 "minfer.gemv: stages_per_block (bulk-copy kernel) excludes warps_per_block and unroll (register kernel)");
     const minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, accumulate, x, out, k, "minfer.gemv");
     const c10::cuda::CUDAGuard guard(w.device());
     minfer::GemvTuning tuning;
     tuning.warps_per_block = (int)warps_per_block;
     tuning.unroll = (int)unroll;
-    tuning.stages_per_block = (int)stages_per_block;
     minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), fusion, tuning,
                         current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -398,7 +394,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool accumulate=False, "
-          "int warps_per_block=0, int unroll=0, int stages_per_block=0) -> ()");
+          "int warps_per_block=0, int unroll=0) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");

@@ -3,7 +3,6 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -153,51 +152,21 @@ inline bool device_supports_pdl() {
 // Launches `kernel` as a programmatic dependent of the previous kernel in the stream (sm_90+), so it
 // is resident and waiting in griddepcontrol.wait while that kernel drains. Every kernel launched
 // this way calls wait_for_previous_kernel() in all blocks before it reads anything an earlier kernel
-// wrote: the completion of each kernel then implies the completion of all before it. A `cluster`
-// other than 1x1x1 launches the grid in thread-block clusters of that shape (sm_90+).
+// wrote: the completion of each kernel then implies the completion of all before it.
 template <typename... Params, typename... Args>
-cudaError_t launch_with_pdl_in_clusters(void (*kernel)(Params...), dim3 grid, dim3 cluster, dim3 block,
-                                        size_t smem_bytes, cudaStream_t stream, bool pdl, Args... args) {
-    cudaLaunchAttribute attributes[2];
+cudaError_t launch_with_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                            cudaStream_t stream, bool pdl, Args... args) {
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = smem_bytes;
     config.stream = stream;
-    config.attrs = attributes;
-    if (pdl && device_supports_pdl()) {
-        attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attributes[config.numAttrs].val.programmaticStreamSerializationAllowed = 1;
-        ++config.numAttrs;
-    }
-    if (cluster.x * cluster.y * cluster.z > 1) {
-        attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-        attributes[config.numAttrs].val.clusterDim.x = cluster.x;
-        attributes[config.numAttrs].val.clusterDim.y = cluster.y;
-        attributes[config.numAttrs].val.clusterDim.z = cluster.z;
-        ++config.numAttrs;
-    }
+    config.attrs = &attribute;
+    config.numAttrs = pdl && device_supports_pdl() ? 1 : 0;
     return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
-}
-
-template <typename... Params, typename... Args>
-cudaError_t launch_with_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                            cudaStream_t stream, bool pdl, Args... args) {
-    return launch_with_pdl_in_clusters(kernel, grid, dim3(1, 1, 1), block, smem_bytes, stream, pdl, args...);
-}
-
-// Raises a kernel's dynamic shared-memory limit, once per device: later calls, which may come while a
-// CUDA graph is being captured, make no runtime call.
-template <auto Kernel>
-bool opt_in_shared_memory(int bytes) {
-    static std::atomic<uint64_t> devices_done{0};
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return false;
-    const uint64_t bit = 1ull << (device & 63);
-    if (devices_done.load(std::memory_order_acquire) & bit) return true;
-    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return false;
-    devices_done.fetch_or(bit, std::memory_order_release);
-    return true;
 }
 
 }  // namespace minfer

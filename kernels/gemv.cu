@@ -1,20 +1,20 @@
-// Decode GEMV on the tensor cores, weights streamed through registers (sm_80+; on sm_90 the
-// bulk-copy kernel in gemv_bulk.cu is the default). The warp step and its fragment layout are in
-// gemv_fragments.cuh. The kernel is bound by streaming W once: 16-byte no-L1 loads, kUnroll steps
-// in flight per warp, the K range of each 16-row tile split over the block's warps and reduced in
-// shared memory in a fixed order (deterministic, no atomics, no workspace).
+// Decode GEMV on the tensor cores. One warp step multiplies a 16-row x 32-k tile of W by up to 8
+// tokens with two mma.m16n8k16 (the tokens are the n = 8 side), so there are no lane shuffles and
+// 1 or 8 tokens cost the same. The kernel is bound by streaming W once: 16-byte no-L1 loads,
+// kUnroll steps in flight per warp, the K range of each 16-row tile split over the block's warps and
+// reduced in shared memory in a fixed order (deterministic, no atomics, no workspace).
 // Fusions (launch.h): with a norm weight g copied to shared memory before the PDL wait, each lane
 // multiplies its x chunks by g and sums their squares as they arrive; the per-token RMS scale is
 // applied in the epilogue, which can also add into `out` (the residual stream) in place.
 #include "gemv.h"
-#include "gemv_fragments.cuh"
+#include "device_utils.cuh"
 
 namespace minfer {
 
 namespace {
 
-constexpr int kTileRows = kGemvTileRows;
-constexpr int kChunk = kGemvChunk;
+constexpr int kTileRows = 16;                 // mma M
+constexpr int kChunk = 8;                     // elements in one 16-byte load
 constexpr int kStepChunks = 4;                // chunks of one row per warp step (lanes t = 0..3)
 constexpr int kStepK = kStepChunks * kChunk;  // 32: two k16 mmas
 
@@ -26,8 +26,11 @@ struct LaneRows {
     const uint4* x;
 };
 
-// kSteps warp steps, held in registers between load and multiply; lane (g, t) holds chunk
-// c = step * 4 + t of its rows and of token g's x (gemv_fragments.cuh).
+// kSteps warp steps, held in registers between load and multiply.
+// Lane (g, t) holds chunk c = step * 4 + t of its rows and of token g's x. A dot product may sum k in
+// any order, so the chunk's 8 elements go to the k slots the mma fragment layout gives this lane:
+// pairs {0,1},{2,3} are slots (2t, 2t+1), (2t+8, 2t+9) of the first k16 mma, pairs {4,5},{6,7} the
+// same slots of the second. A and B get the same permutation, so the product is exact.
 // `valid` is false only for the lanes of a last, partial step (K % 32 != 0): they feed zeros.
 template <typename T, int kSteps>
 struct WarpSteps {
@@ -51,17 +54,33 @@ struct WarpSteps {
         load_x(lane, chunk, valid);
     }
 
-    // RMSNorm fusion, with g's [K / 8] chunks in shared memory. Chunks past K hold zero x, so any
-    // g chunk will do there.
+    // RMSNorm fusion: adds the squares of this lane's x chunks to `sum_sq`, then x *= g, with g's
+    // [K / 8] chunks in shared memory. Chunks past K hold zero x, so any g chunk will do there.
     __device__ __forceinline__ void apply_norm(const uint4* norm_chunks, int chunk, int row_chunks, float& sum_sq) {
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s)
-            scale_chunk_by_norm<T>(xv[s], norm_chunks[min(chunk + s * kStepChunks, row_chunks - 1)], sum_sq);
+        for (int s = 0; s < kSteps; ++s) {
+            const uint4 g = norm_chunks[min(chunk + s * kStepChunks, row_chunks - 1)];
+            auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
+                const float2 f = pair_to_float2<T>(xw);
+                sum_sq = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq));
+                xw = multiply_pairs<T>(xw, gw);
+            };
+            scale_pair(xv[s].x, g.x);
+            scale_pair(xv[s].y, g.y);
+            scale_pair(xv[s].z, g.z);
+            scale_pair(xv[s].w, g.w);
+        }
     }
 
+    // Two accumulators, so consecutive mmas do not wait on each other.
     __device__ __forceinline__ void multiply(float (&acc)[2][4]) const {
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) multiply_chunk<T>(acc, lo[s], hi[s], xv[s]);
+        for (int s = 0; s < kSteps; ++s) {
+            const uint32_t first[4] = {lo[s].x, hi[s].x, lo[s].y, hi[s].y};
+            const uint32_t second[4] = {lo[s].z, hi[s].z, lo[s].w, hi[s].w};
+            mma_m16n8k16<T>(acc[0], first, xv[s].x, xv[s].y);
+            mma_m16n8k16<T>(acc[1], second, xv[s].z, xv[s].w);
+        }
     }
 };
 
@@ -151,7 +170,8 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
     __shared__ float sum_sq_part[kNorm ? kWarps : 1][8];
     if (warp > 0) partial[warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
     if constexpr (kNorm) {
-        sum_sq = reduce_row_group(sum_sq);  // the 4 lanes of row group g hold token g
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 1);  // the 4 lanes of row group g hold token g
+        sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, 2);
         if (t == 0) sum_sq_part[warp][g] = sum_sq;
     }
     __syncthreads();
@@ -164,17 +184,22 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         c[2] += p.z;
         c[3] += p.w;
     }
-    float scale[2] = {1.0f, 1.0f};
-    if constexpr (kNorm) {
+    // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1.
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < 2; ++j) {
+        const int token = 2 * t + j;
+        if (token >= tokens) continue;
+        float scale = 1.0f;
+        if constexpr (kNorm) {
             float total = 0.0f;
 #pragma unroll
-            for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][min(2 * t + j, 7)];
-            scale[j] = rsqrtf(total / k + eps);
+            for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
+            scale = rsqrtf(total / k + eps);
         }
+        const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
+        if (row < n) out[lo] = from_float<T>(c[j] * scale + (accumulate ? to_float(out[lo]) : 0.0f));
+        if (row + 8 < n) out[hi] = from_float<T>(c[2 + j] * scale + (accumulate ? to_float(out[hi]) : 0.0f));
     }
-    store_lane_outputs<T>(out, c, row, t, tokens, n, scale, accumulate);
 }
 
 // Fallback for rows that are not 16-byte aligned (K % 8 != 0, or offset views): one warp per row,
@@ -261,7 +286,9 @@ GemvTuning default_tuning(int n, int k, bool norm) {
 }
 
 template <typename T>
-void launch_typed(const GemvArgs& a, GemvTuning tuning, bool aligned) {
+void launch_typed(const GemvArgs& a, GemvTuning tuning) {
+    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    const bool aligned = a.k % kChunk == 0 && aligned16(a.x) && aligned16(a.w) && aligned16(a.fusion.norm_weight);
     if (!aligned) {
         constexpr int kRowsPerBlock = 8;
         gemv_scalar_kernel<T><<<ceil_div(a.n, kRowsPerBlock), kRowsPerBlock * 32, 0, a.stream>>>(
@@ -283,22 +310,10 @@ void launch_typed(const GemvArgs& a, GemvTuning tuning, bool aligned) {
 
 void launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
                  const ProjectionFusion& fusion, const GemvTuning& tuning, cudaStream_t stream) {
-    const GemvArgs a{x, w, out, (int)tokens, (int)n, (int)k, fusion, stream};
-    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    const bool aligned = k % kChunk == 0 && aligned16(x) && aligned16(w) && aligned16(fusion.norm_weight);
-    if (aligned) {
-        const bool register_kernel_chosen = tuning.warps_per_block > 0 || tuning.unroll > 0;
-        if (!register_kernel_chosen && device_supports_pdl()) {  // sm_90+: bulk copies
-            constexpr int kDefaultStagesPerBlock = 4;  // 64 KB of W per block: 3 blocks per SM
-            const GemvBulkPlan plan =
-                plan_gemv_bulk(a.k, tuning.stages_per_block > 0 ? tuning.stages_per_block : kDefaultStagesPerBlock);
-            if (plan.fits && launch_gemv_bulk(a.x, a.w, a.out, a.tokens, a.n, a.k, dtype, a.fusion, plan, a.stream))
-                return;
-        }
-    }
+    const GemvArgs args{x, w, out, (int)tokens, (int)n, (int)k, fusion, stream};
     switch (dtype) {
-        case DType::kFloat16: launch_typed<half>(a, tuning, aligned); break;
-        case DType::kBFloat16: launch_typed<__nv_bfloat16>(a, tuning, aligned); break;
+        case DType::kFloat16: launch_typed<half>(args, tuning); break;
+        case DType::kBFloat16: launch_typed<__nv_bfloat16>(args, tuning); break;
         case DType::kFloat32: break;  // rejected by the binding: the tensor cores take 16-bit inputs
     }
 }

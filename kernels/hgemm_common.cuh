@@ -4,8 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "device_utils.cuh"
-
+#include <atomic>
 #include <cstdint>
 
 namespace minfer {
@@ -34,6 +33,24 @@ template <> __device__ __forceinline__ uint32_t pack2<half>(float a, float b) {
 template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Raises a kernel's dynamic shared-memory limit, once per device: later calls, which may come while a
+// CUDA graph is being captured, make no runtime call.
+template <auto Kernel>
+bool opt_in_shared_memory(int bytes) {
+    static std::atomic<uint64_t> devices_done{0};
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    const uint64_t bit = 1ull << (device & 63);
+    if (devices_done.load(std::memory_order_acquire) & bit) return true;
+    if (cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return false;
+    devices_done.fetch_or(bit, std::memory_order_release);
+    return true;
 }
 
 }  // namespace minfer

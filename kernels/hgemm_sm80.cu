@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(WARPS_M* WARPS_N * 32)
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
     const TileCoord tile = tile_coord(blockIdx.x, (M + BM - 1) / BM, (N + BN - 1) / BN, kBand);
     const int m0 = tile.m * BM, n0 = tile.n * BN;
-    const uint32_t base = smem_addr(smem);
+    const uint32_t base = shared_address(smem);
     auto stage_a = [&](int s) { return base + s * Tile::kStageBytes; };
     auto stage_b = [&](int s) { return base + s * Tile::kStageBytes + BM * 128; };
     auto load_stage = [&](int s, int kt) {

@@ -19,7 +19,6 @@
 
 #include "hgemm.h"
 #include "hgemm_common.cuh"
-#include "sm90_async.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "hgemm_sm90.cu needs the sm_90a target for wgmma and setmaxnreg: build for Hopper with TORCH_CUDA_ARCH_LIST=9.0a"
@@ -56,6 +55,32 @@ struct Sm90Tile {
 
 #ifdef MINFER_SM90A
 
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// One arrival that also announces `bytes` of TMA traffic to come.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase with this parity has completed. A fresh barrier counts its phase
+// "before 0" (parity 1) as complete, so the producer's first pass over the ring does not wait.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
 // Box at (c0 = column, c1 = row) of a 2-D tensor map -> shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
     asm volatile(
@@ -87,6 +112,17 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) 
         : "memory");
 }
 
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// Every thread of every CTA in the cluster; orders shared-memory writes (barrier init) cluster-wide.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 // Shared memory -> box at (c0, c1); the parts of the box outside the tensor are not written.
 __device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int c0, int c1) {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map), "r"(c0),
@@ -102,6 +138,11 @@ template <int N> __device__ __forceinline__ void tma_store_wait_read() {
 }
 
 __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Orders this thread's ordinary shared-memory writes before later async-proxy (TMA) reads.
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 
 __device__ __forceinline__ void warpgroup_barrier(int id) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
@@ -205,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr int kRowsW = BN / CLUSTER;  // rows of the W tile this CTA loads (and multicasts)
     extern __shared__ uint8_t smem_raw[];
     // 128-byte swizzle atoms repeat every 1024 bytes: stages and epilogue buffers start on 1024.
-    const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    const uint32_t base = (shared_address(smem_raw) + 1023) & ~1023u;
     const uint32_t epi_base = base + S * Tile::kStageBytes;
     const uint32_t full_bar = epi_base + Tile::kEpiTotal;  // S barriers of 8 bytes
     const uint32_t empty_bar = full_bar + S * 8;
@@ -228,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
             mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
         }
-        fence_mbarrier_init();
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (CLUSTER > 1) {
         cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them

@@ -193,23 +193,19 @@ def linear_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor
 
 
 @fake_impl("minfer::gemv")
-def _gemv_fake(x, w, out, norm_weight=None, eps=0.0, accumulate=False, warps_per_block=0, unroll=0,
-               stages_per_block=0):
+def _gemv_fake(x, w, out, norm_weight=None, eps=0.0, accumulate=False, warps_per_block=0, unroll=0):
     return None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False,
-         warps_per_block: int = 0, unroll: int = 0, stages_per_block: int = 0) -> torch.Tensor:
+         warps_per_block: int = 0, unroll: int = 0) -> torch.Tensor:
     """x @ w.T for decode: x [..., K] holding 1..8 tokens in all, w [N, K] -> [..., N], fp32 accumulation.
 
     Fusions of a Llama sublayer, so decode needs no norm or add kernel: `norm_weight` [K] multiplies
     RMSNorm(x) (eps as in the model) instead of x; `accumulate` adds the product into `out` in place
-    (the residual stream) instead of overwriting it.
-
-    Kernels: on sm_90+ W streams into shared memory by bulk copies, `stages_per_block` (1..16) 512-column
-    slices of a 16-row tile per block (0: 4); `warps_per_block` (4, 8, 16) and `unroll` (2, 4, 8) pick
-    the register-streaming kernel (the default before sm_90) and its launch configuration.
+    (the residual stream) instead of overwriting it. `warps_per_block` (4, 8, 16) and `unroll`
+    (2, 4, 8) override the kernel's launch configuration (0: the measured default for the shape);
     `minfer.bench.gemv_sweep` times them."""
     k = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != k:
@@ -223,7 +219,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         out = x.new_empty(*x.shape[:-1], w.shape[0])
     if use_kernels(x):
         torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]), norm_weight, eps, accumulate,
-                              warps_per_block, unroll, stages_per_block)
+                              warps_per_block, unroll)
     else:
         out.copy_(linear_reference(x, w, norm_weight, eps, out if accumulate else None))
     return out
