@@ -116,7 +116,7 @@ minfer::ProjectionFusion projection_fusion(const std::optional<at::Tensor>& norm
 }
 
 void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::optional<at::Tensor>& norm_weight,
-          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll) {
+          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll, bool silu_mul) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
@@ -125,7 +125,11 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
     MINFER_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, "minfer.gemv: takes 1..", minfer::kGemvMaxTokens,
                 " tokens, got ", tokens, "; use a GEMM for more");
     MINFER_CHECK(w.size(1) == k, "minfer.gemv: x has K=", k, " but w has K=", w.size(1));
-    MINFER_CHECK(out.size(0) == tokens && out.size(1) == n, "minfer.gemv: out must be [", tokens, ", ", n, "]");
+    const int64_t outputs = silu_mul ? n / 2 : n;
+    MINFER_CHECK(!silu_mul || (n % 2 == 0 && !accumulate),
+                 "minfer.gemv: silu_mul needs w = [gate; up] with an even N, and no accumulate");
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == outputs, "minfer.gemv: out must be [", tokens, ", ",
+                 outputs, "]");
     MINFER_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, "minfer.gemv: N and K must be in 1..2^31-1");
     MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
                 "minfer.gemv: x, w and out must share one dtype");
@@ -136,7 +140,8 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
                  "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
     MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
                  "minfer.gemv: unroll must be 0 (auto), 2, 4 or 8 (8 only with fewer than 16 warps)");
-    const minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, accumulate, x, out, k, "minfer.gemv");
+    minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, accumulate, x, out, k, "minfer.gemv");
+    fusion.silu_mul = silu_mul;
     const c10::cuda::CUDAGuard guard(w.device());
     minfer::GemvTuning tuning;
     tuning.warps_per_block = (int)warps_per_block;
@@ -394,7 +399,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool accumulate=False, "
-          "int warps_per_block=0, int unroll=0) -> ()");
+          "int warps_per_block=0, int unroll=0, bool silu_mul=False) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");

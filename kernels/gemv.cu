@@ -5,7 +5,9 @@
 // reduced in shared memory in a fixed order (deterministic, no atomics, no workspace).
 // Fusions (launch.h): with a norm weight g copied to shared memory before the PDL wait, each lane
 // multiplies its x chunks by g and sums their squares as they arrive; the per-token RMS scale is
-// applied in the epilogue, which can also add into `out` (the residual stream) in place.
+// applied in the epilogue, which can also add into `out` (the residual stream) in place. For the
+// MLP's [gate; up] matrix a tile takes gate rows 8i..8i+7 as its rows 0-7 and the matching up rows
+// as rows 8-15, so the lane that holds a gate output also holds its up output and writes silu(gate) * up.
 #include "gemv.h"
 #include "device_utils.cuh"
 
@@ -94,18 +96,19 @@ struct WarpSteps {
 template <typename T, int kWarps, int kUnroll, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kWarps * 32) : 0)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ norm_weight,
-                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate) {
+                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate, bool silu_mul) {
     static_assert(kWarps > 1, "the epilogue reduces the warps' partials in shared memory");
     extern __shared__ uint4 norm_chunks[];  // kNorm: g
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
-    const int row = blockIdx.x * kTileRows + g;
     const int row_chunks = k / kChunk;
     const uint4* w_chunks = reinterpret_cast<const uint4*>(w);
-    LaneRows lane;
-    lane.row_lo = w_chunks + (int64_t)min(row, n - 1) * row_chunks;  // rows past N re-read the last
-    lane.row_hi = w_chunks + (int64_t)min(row + 8, n - 1) * row_chunks;
+    const int inter = n / 2;  // silu_mul: gate rows [0, inter), up rows [inter, n)
+    const int row = silu_mul ? blockIdx.x * 8 + g : blockIdx.x * kTileRows + g;
+    LaneRows lane;  // rows past the end re-read the last one
+    lane.row_lo = w_chunks + (int64_t)min(row, (silu_mul ? inter : n) - 1) * row_chunks;
+    lane.row_hi = w_chunks + (int64_t)(silu_mul ? inter + min(row, inter - 1) : min(row + 8, n - 1)) * row_chunks;
     lane.x = reinterpret_cast<const uint4*>(x) + (int64_t)min(g, tokens - 1) * row_chunks;
 
     const int full_steps = k / kStepK;
@@ -126,8 +129,11 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         }
         steps.multiply(acc);
     };
+    // Weights need not wait: both register sets are filled before the PDL wait, so a block that
+    // becomes resident while the previous kernel drains has two batches on the way.
     WarpSteps<T, kUnroll> even, odd;
-    if (warp < batches) even.load_weights(lane, batch_chunk(warp));  // weights need not wait
+    if (warp < batches) even.load_weights(lane, batch_chunk(warp));
+    if (warp + kWarps < batches) odd.load_weights(lane, batch_chunk(warp + kWarps));
     if constexpr (kNorm) {
         // g is a weight too: each warp copies the chunks its own steps read (below) into shared
         // memory, asynchronously, so only its first multiply waits for them and no block barrier
@@ -144,12 +150,13 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
     }
     wait_for_previous_kernel();
     if (warp < batches) even.load_x(lane, batch_chunk(warp));
+    if (warp + kWarps < batches) odd.load_x(lane, batch_chunk(warp + kWarps));
     for (int b = warp; b < batches; b += 2 * kWarps) {
-        if (b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
         multiply(even, batch_chunk(b));
-        if (b + kWarps >= batches) break;
         if (b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
+        if (b + kWarps >= batches) break;
         multiply(odd, batch_chunk(b + kWarps));
+        if (b + 3 * kWarps < batches) odd.load(lane, batch_chunk(b + 3 * kWarps));
     }
     for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
         WarpSteps<T, 1> step;
@@ -196,24 +203,34 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
             for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
             scale = rsqrtf(total / k + eps);
         }
+        if (silu_mul) {
+            const float gate = c[j] * scale, up = c[2 + j] * scale;
+            if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
+            continue;
+        }
         const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
         if (row < n) out[lo] = from_float<T>(c[j] * scale + (accumulate ? to_float(out[lo]) : 0.0f));
         if (row + 8 < n) out[hi] = from_float<T>(c[2 + j] * scale + (accumulate ? to_float(out[hi]) : 0.0f));
     }
 }
 
-// Fallback for rows that are not 16-byte aligned (K % 8 != 0, or offset views): one warp per row,
-// scalar loads. Correct at any shape, about an order of magnitude slower than the tensor-core path.
+// Fallback for rows that are not 16-byte aligned (K % 8 != 0, or offset views): one warp per output
+// row (with silu_mul: per gate row and its up row), scalar loads. Correct at any shape, about an
+// order of magnitude slower than the tensor-core path.
 template <typename T>
 __global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                    const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k,
-                                   float eps, bool accumulate) {
+                                   float eps, bool accumulate, bool silu_mul) {
     const int lane = threadIdx.x & 31;
+    const int outputs = silu_mul ? n / 2 : n;
     const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= n) return;
-    float acc[kGemvMaxTokens] = {}, sum_sq[kGemvMaxTokens] = {};
+    if (row >= outputs) return;
+    const T* w_row = w + (int64_t)row * k;
+    const T* up_row = w + (int64_t)(row + outputs) * k;  // silu_mul only
+    float acc[kGemvMaxTokens] = {}, up_acc[kGemvMaxTokens] = {}, sum_sq[kGemvMaxTokens] = {};
     for (int i = lane; i < k; i += 32) {
-        const float wv = to_float(w[(int64_t)row * k + i]);
+        const float wv = to_float(w_row[i]);
+        const float uv = silu_mul ? to_float(up_row[i]) : 0.0f;
         const float gv = norm_weight ? to_float(norm_weight[i]) : 1.0f;
 #pragma unroll
         for (int tok = 0; tok < kGemvMaxTokens; ++tok) {
@@ -224,15 +241,19 @@ __global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict_
                 xv = to_float(from_float<T>(xv * gv));  // rounded as on the tensor-core path
             }
             acc[tok] = fmaf(wv, xv, acc[tok]);
+            up_acc[tok] = fmaf(uv, xv, up_acc[tok]);
         }
     }
 #pragma unroll
     for (int tok = 0; tok < kGemvMaxTokens; ++tok) {
         if (tok >= tokens) break;
-        float sum = warp_sum(acc[tok]);
-        if (norm_weight) sum *= rsqrtf(warp_sum(sum_sq[tok]) / k + eps);
-        const int64_t idx = (int64_t)tok * n + row;
-        if (lane == 0) out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
+        const float scale = norm_weight ? rsqrtf(warp_sum(sum_sq[tok]) / k + eps) : 1.0f;
+        const float sum = warp_sum(acc[tok]) * scale;
+        const float up = silu_mul ? warp_sum(up_acc[tok]) * scale : 0.0f;
+        const int64_t idx = (int64_t)tok * outputs + row;
+        if (lane != 0) continue;
+        if (silu_mul) out[idx] = from_float<T>(sum / (1.0f + __expf(-sum)) * up);
+        else out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
     }
 }
 
@@ -250,9 +271,10 @@ void launch_mma(const GemvArgs& a) {
     const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm>;
     const int smem = kNorm ? a.k * (int)sizeof(T) : 0;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    launch_with_pdl(kernel, dim3((unsigned)ceil_div(a.n, kTileRows)), dim3(kWarps * 32), smem, a.stream, true,
+    const int tiles = a.fusion.silu_mul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
+    launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), smem, a.stream, true,
                     static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.fusion.norm_weight),
-                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate);
+                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate, a.fusion.silu_mul);
 }
 
 template <typename T, int kWarps, int kUnroll>
@@ -291,9 +313,10 @@ void launch_typed(const GemvArgs& a, GemvTuning tuning) {
     const bool aligned = a.k % kChunk == 0 && aligned16(a.x) && aligned16(a.w) && aligned16(a.fusion.norm_weight);
     if (!aligned) {
         constexpr int kRowsPerBlock = 8;
-        gemv_scalar_kernel<T><<<ceil_div(a.n, kRowsPerBlock), kRowsPerBlock * 32, 0, a.stream>>>(
+        const int outputs = a.fusion.silu_mul ? a.n / 2 : a.n;
+        gemv_scalar_kernel<T><<<ceil_div(outputs, kRowsPerBlock), kRowsPerBlock * 32, 0, a.stream>>>(
             static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.fusion.norm_weight),
-            static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate);
+            static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate, a.fusion.silu_mul);
         return;
     }
     const GemvTuning chosen = default_tuning(a.n, a.k, a.fusion.norm_weight != nullptr);

@@ -13,11 +13,14 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 // - norm_weight g (same dtype, [K]): y = (W (g * x)) * rsqrt(mean(x^2) + eps) per token, i.e. W applied
 //   to RMSNorm(x); the mean of squares is accumulated from the x the kernel loads anyway and applied
 //   in the epilogue, so nothing runs before the main loop;
-// - accumulate: out += y in place (the residual add), instead of out = y.
+// - accumulate: out += y in place (the residual add), instead of out = y;
+// - silu_mul (GEMV only, not with accumulate): W's rows are [gate; up] (N = 2I) and out [tokens, I]
+//   receives silu(gate) * up, so the MLP needs no activation kernel either.
 struct ProjectionFusion {
     const void* norm_weight = nullptr;
     float eps = 0.0f;
     bool accumulate = false;
+    bool silu_mul = false;
 };
 
 }  // namespace minfer

@@ -114,13 +114,14 @@ class Linear(nn.Module):
             raise MinferError(f"a {fmt.name} weight of shape {fmt.shape} cannot replace one of shape {self.fmt.shape}")
         self.fmt = fmt
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """self(norm(x)), added into `residual` in place when given (WeightFormat.project: decode
-        kernels fuse the norm and the add)."""
-        if norm is None and residual is None:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                silu_mul: bool = False) -> torch.Tensor:
+        """self(norm(x)); with `silu_mul` (a [gate; up] matrix) silu(gate) * up of it; added into
+        `residual` in place when given (WeightFormat.project: decode kernels fuse these steps)."""
+        if norm is None and residual is None and not silu_mul:
             return self.fmt(x)
-        return self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual)
+        return self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
+                                silu_mul)
 
 
 class Embedding(nn.Module):
@@ -175,7 +176,7 @@ class MLP(nn.Module):
 
     def forward(self, residual: torch.Tensor, norm: RMSNorm) -> None:
         """residual += down_proj(silu(gate) * up) of gate_up_proj(norm(residual)), in place."""
-        self.down_proj(ops.silu_mul(self.gate_up_proj(residual, norm=norm)), residual=residual)
+        self.down_proj(self.gate_up_proj(residual, norm=norm, silu_mul=True), residual=residual)
 
 
 class Block(nn.Module):

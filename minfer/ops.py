@@ -176,35 +176,40 @@ GEMV_MAX_TOKENS = 8  # kernels/gemv.h: the tokens are the n = 8 side of the tens
 
 
 def linear_reference(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                     residual: torch.Tensor | None = None) -> torch.Tensor:
+                     residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x @ w.T with fp32 accumulation, in x's dtype: the oracle of gemv and hgemm.
 
     With `norm_weight` g, of RMSNorm(x) = g * x * rsqrt(mean(x^2) + eps) as the fused kernels compute
     it: g * x rounded to the dtype, the per-token scale applied to the fp32 product. With `residual`,
-    residual + that, rounded once (the fused residual add)."""
+    residual + that, rounded once (the fused residual add). With `silu_mul`, w is [gate; up] and the
+    result silu(gate) * up of the fp32 products, rounded once."""
     if norm_weight is None:
         y = x.float() @ w.float().t()
     else:
         scale = torch.rsqrt(x.float().square().mean(dim=-1, keepdim=True) + eps)
         y = ((x * norm_weight).float() @ w.float().t()) * scale
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
 
 
 @fake_impl("minfer::gemv")
-def _gemv_fake(x, w, out, norm_weight=None, eps=0.0, accumulate=False, warps_per_block=0, unroll=0):
+def _gemv_fake(x, w, out, norm_weight=None, eps=0.0, accumulate=False, warps_per_block=0, unroll=0, silu_mul=False):
     return None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False,
-         warps_per_block: int = 0, unroll: int = 0) -> torch.Tensor:
+         silu_mul: bool = False, warps_per_block: int = 0, unroll: int = 0) -> torch.Tensor:
     """x @ w.T for decode: x [..., K] holding 1..8 tokens in all, w [N, K] -> [..., N], fp32 accumulation.
 
     Fusions of a Llama sublayer, so decode needs no norm or add kernel: `norm_weight` [K] multiplies
     RMSNorm(x) (eps as in the model) instead of x; `accumulate` adds the product into `out` in place
-    (the residual stream) instead of overwriting it. `warps_per_block` (4, 8, 16) and `unroll`
+    (the residual stream) instead of overwriting it; `silu_mul` takes w as the MLP's [gate; up] [2I, K]
+    and returns silu(gate) * up [..., I]. `warps_per_block` (4, 8, 16) and `unroll`
     (2, 4, 8) override the kernel's launch configuration (0: the measured default for the shape);
     `minfer.bench.gemv_sweep` times them."""
     k = x.shape[-1]
@@ -215,13 +220,18 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         raise FormatError(f"gemv takes 1..{GEMV_MAX_TOKENS} tokens, got {tokens}; use a GEMM (hgemm, F.linear) for more")
     if accumulate and out is None:
         raise FormatError("gemv(accumulate=True) adds into `out`: pass the tensor to add into")
+    if silu_mul and (w.shape[0] % 2 or accumulate):
+        raise FormatError(f"gemv(silu_mul=True) needs w = [gate; up] with an even N (got {w.shape[0]}) and no accumulate")
+    outputs = w.shape[0] // 2 if silu_mul else w.shape[0]
     if out is None:
-        out = x.new_empty(*x.shape[:-1], w.shape[0])
+        out = x.new_empty(*x.shape[:-1], outputs)
+    elif out.shape[-1] != outputs or out.numel() != tokens * outputs:
+        raise FormatError(f"gemv: out must be [..., {outputs}] for {tokens} tokens, got {tuple(out.shape)}")
     if use_kernels(x):
-        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, w.shape[0]), norm_weight, eps, accumulate,
-                              warps_per_block, unroll)
+        torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, outputs), norm_weight, eps, accumulate,
+                              warps_per_block, unroll, silu_mul)
     else:
-        out.copy_(linear_reference(x, w, norm_weight, eps, out if accumulate else None))
+        out.copy_(linear_reference(x, w, norm_weight, eps, out if accumulate else None, silu_mul))
     return out
 
 

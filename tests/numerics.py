@@ -14,12 +14,16 @@ def linear_reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def fused_linear_reference64(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                             residual: torch.Tensor | None) -> torch.Tensor:
-    """residual + RMSNorm(x; norm_weight, eps) @ w.T in float64 (either part optional)."""
+                             residual: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+    """residual + RMSNorm(x; norm_weight, eps) @ w.T in float64 (either part optional); with `silu_mul`,
+    w is [gate; up] and silu(gate) * up of the product replaces it."""
     x64 = x.double()
     if norm_weight is not None:
         x64 = x64 * torch.rsqrt(x64.square().mean(dim=-1, keepdim=True) + eps) * norm_weight.double()
     y = x64 @ w.double().t()
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
     return y if residual is None else y + residual.double()
 
 

@@ -148,6 +148,42 @@ def test_fused_gemv_every_launch_configuration(warps, unroll):
     assert rel_error(out, expected) < TOLERANCE[torch.float16]
 
 
+# (I, K) of [gate; up] matrices [2I, K]: I off the 8-row half tile, every launch shape, the scalar path.
+SILU_SHAPES = [(1, 8), (37, 1000), (688, 4096), (300, 4104), (5504, 4096), (64, 11008), (21, 1001)]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_cpu_silu_mul_reference(norm):
+    x, w, g, out = fused_problem(3, 2 * 12, 40, torch.float32, norm, False, device="cpu")
+    expected = fused_linear_reference64(x, w, g, 1e-5, None, silu_mul=True)
+    out = ops.gemv(x, w, norm_weight=g, eps=1e-5, silu_mul=True)
+    assert out.shape == (3, 12)
+    assert rel_error(out, expected) < 1e-6
+
+
+@requires_cuda
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("inter,k", SILU_SHAPES)
+def test_silu_mul_gemv_matches_float64(inter, k, tokens, dtype, norm):
+    """The MLP's gate_up projection with silu(gate) * up in the epilogue (a tile holds gate rows
+    8i..8i+7 and the matching up rows), with and without the fused RMSNorm."""
+    x, w, g, _ = fused_problem(tokens, 2 * inter, k, dtype, norm, False)
+    out = torch.full((tokens, inter), float("nan"), device="cuda", dtype=dtype)
+    ops.gemv(x, w, out=out, norm_weight=g, eps=1e-5, silu_mul=True)
+    assert not out.isnan().any(), "some outputs were never written"
+    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, None, silu_mul=True)) < TOLERANCE[dtype]
+
+
+@requires_cuda
+@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
+def test_silu_mul_gemv_every_launch_configuration(warps, unroll):
+    x, w, g, _ = fused_problem(2, 2 * 300, 4104, torch.float16, True, False)
+    out = ops.gemv(x, w, norm_weight=g, eps=1e-6, silu_mul=True, warps_per_block=warps, unroll=unroll)
+    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-6, None, silu_mul=True)) < TOLERANCE[torch.float16]
+
+
 @requires_cuda
 def test_fused_gemv_rejects_bad_arguments():
     x, w, g, out = fused_problem(1, 64, 64, torch.float16, True, False)
@@ -157,6 +193,12 @@ def test_fused_gemv_rejects_bad_arguments():
         ops.gemv(x, w, out=out, norm_weight=g[:32])
     with pytest.raises(RuntimeError, match="must not overlap"):
         ops.gemv(x, w, out=x, accumulate=True)
+    with pytest.raises(FormatError, match="even N"):
+        ops.gemv(x, w[:63], silu_mul=True)
+    with pytest.raises(FormatError, match="no accumulate"):
+        ops.gemv(x, w, out=out, accumulate=True, silu_mul=True)
+    with pytest.raises(FormatError, match="out must be"):  # [gate; up] of 64 rows gives 32 outputs
+        ops.gemv(x, w, out=out, silu_mul=True)
 
 
 @requires_cuda

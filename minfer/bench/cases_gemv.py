@@ -1,6 +1,6 @@
 """GEMV cases: the Llama-2-7B / Llama-3-8B decode projections against F.linear (cuBLAS), and the
-sublayer fusions decode runs (RMSNorm of x before qkv / gate_up / lm_head, the residual add after
-o / down) against torch's rms_norm + F.linear and F.linear + add_."""
+sublayer fusions decode runs (RMSNorm of x before qkv / gate_up / lm_head, silu(gate) * up after
+gate_up, the residual add after o / down) against the same steps as torch ops."""
 
 from __future__ import annotations
 
@@ -32,28 +32,39 @@ def gemv_cases(dtype: torch.dtype) -> list[KernelCase]:
 
 
 # (N, K, fusion) of one decode token: the projections after a norm, and those adding into the residual.
-FUSED_SHAPES = [(12288, 4096, "norm"), (22016, 4096, "norm"), (32000, 4096, "norm"), (4096, 4096, "add"),
+FUSED_SHAPES = [(12288, 4096, "norm"), (22016, 4096, "norm+silu_mul"), (32000, 4096, "norm"), (4096, 4096, "add"),
                 (4096, 11008, "add")]
 NORM_EPS = 1e-5
 
 
 def fused_gemv_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:
+    norm, silu_mul = fusion.startswith("norm"), fusion.endswith("silu_mul")
+    outputs = n // 2 if silu_mul else n
+
     def build(copies):
         weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=dtype)
-        out = torch.zeros(1, n, device="cuda", dtype=dtype)
-        if fusion == "norm":
-            g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
-            return (lambda i: ops.gemv(x, weights[i], out=out, norm_weight=g, eps=NORM_EPS)), (
-                lambda i: F.linear(F.rms_norm(x, (k,), g, NORM_EPS), weights[i]))
-        return (lambda i: ops.gemv(x, weights[i], out=out, accumulate=True)), (
-            lambda i: out.add_(F.linear(x, weights[i])))
+        out = torch.zeros(1, outputs, device="cuda", dtype=dtype)
+        if not norm:
+            return (lambda i: ops.gemv(x, weights[i], out=out, accumulate=True)), (
+                lambda i: out.add_(F.linear(x, weights[i])))
+        g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+
+        def torch_steps(i):
+            y = F.linear(F.rms_norm(x, (k,), g, NORM_EPS), weights[i])
+            if silu_mul:
+                gate, up = y.chunk(2, dim=-1)
+                y = F.silu(gate) * up
+            return y
+
+        return (lambda i: ops.gemv(x, weights[i], out=out, norm_weight=g, eps=NORM_EPS, silu_mul=silu_mul)), torch_steps
 
     size = torch.finfo(dtype).bits // 8
-    extra = k if fusion == "norm" else n  # the norm weight, or the residual read before it is written
+    extra = k if norm else n  # the norm weight, or the residual read before it is written
+    baseline = {"norm": "rms_norm + F.linear", "norm+silu_mul": "rms_norm + F.linear + silu * up",
+                "add": "F.linear + add_"}[fusion]
     return KernelCase(op="gemv_fused", shape=f"{n}x{k} +{fusion}", dtype=dtype,
-                      bytes=size * (n * k + n + k + extra), flops=2 * n * k, build=build,
-                      baseline="rms_norm + F.linear" if fusion == "norm" else "F.linear + add_")
+                      bytes=size * (n * k + outputs + k + extra), flops=2 * n * k, build=build, baseline=baseline)
 
 
 register("gemv", gemv_cases)

@@ -43,13 +43,16 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
         """x[..., K] -> [..., N]."""
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The step a Llama sublayer takes around a projection: forward(RMSNorm(x)) with `norm_weight`,
-        added into `residual` in place (and returned) when one is given. This version runs the norm and
-        the add as ops of their own; a format whose decode kernel fuses them overrides it."""
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """The step a Llama sublayer takes around a projection: forward(RMSNorm(x)) with `norm_weight`;
+        with `silu_mul` (the MLP's [gate; up] matrix) silu(gate) * up of that; added into `residual` in
+        place (and returned) when one is given. This version runs the norm, the activation and the add
+        as ops of their own; a format whose decode kernel fuses them overrides it."""
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, eps)
         y = self(x)
+        if silu_mul:
+            y = ops.silu_mul(y)
         return y if residual is None else residual.add_(y)
 
     @property

@@ -155,15 +155,16 @@ class MackoWeight(WeightFormat):
         return out.view(*x.shape[:-1], self.out_features)
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode adds into the residual stream inside the SpMV kernel; the norm runs as its own kernel."""
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """Decode adds into the residual stream inside the SpMV kernel; the norm and the MLP activation
+        run as kernels of their own."""
         tokens = x.numel() // max(self.in_features, 1)
         fused_add = (residual is not None and residual.is_contiguous() and ops.use_kernels(x)
                      and self.values.dtype != torch.float32 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS)
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, eps)
         if not fused_add:
-            return super().project(x, residual=residual)
+            return super().project(x, residual=residual, silu_mul=silu_mul)
         flat = x.reshape(-1, self.in_features).contiguous()
         ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, out=residual.view(tokens, self.out_features),
                        accumulate=True)
