@@ -129,11 +129,14 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         }
         steps.multiply(acc);
     };
-    // Weights need not wait: both register sets are filled before the PDL wait, so a block that
-    // becomes resident while the previous kernel drains has two batches on the way.
+    // Weights need not wait. With the norm fused (qkv, gate_up, lm_head: they follow an o or down
+    // GEMV that fills the GPU) both register sets are filled before the PDL wait, so a block that
+    // becomes resident while that GEMV drains has two batches on the way. The plain variants load one:
+    // the o GEMV's blocks wait through the attention, and their early loads slowed it (H200 timeline).
+    constexpr bool kBothSetsBeforeWait = kNorm;
     WarpSteps<T, kUnroll> even, odd;
     if (warp < batches) even.load_weights(lane, batch_chunk(warp));
-    if (warp + kWarps < batches) odd.load_weights(lane, batch_chunk(warp + kWarps));
+    if (kBothSetsBeforeWait && warp + kWarps < batches) odd.load_weights(lane, batch_chunk(warp + kWarps));
     if constexpr (kNorm) {
         // g is a weight too: each warp copies the chunks its own steps read (below) into shared
         // memory, asynchronously, so only its first multiply waits for them and no block barrier
@@ -150,13 +153,15 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
     }
     wait_for_previous_kernel();
     if (warp < batches) even.load_x(lane, batch_chunk(warp));
-    if (warp + kWarps < batches) odd.load_x(lane, batch_chunk(warp + kWarps));
-    for (int b = warp; b < batches; b += 2 * kWarps) {
+    if (kBothSetsBeforeWait && warp + kWarps < batches) odd.load_x(lane, batch_chunk(warp + kWarps));
+    for (int b = warp; b < batches; b += 2 * kWarps) {  // one set in flight while the other multiplies
+        if (!kBothSetsBeforeWait && b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
         multiply(even, batch_chunk(b));
-        if (b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
+        if (kBothSetsBeforeWait && b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
         if (b + kWarps >= batches) break;
+        if (!kBothSetsBeforeWait && b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
         multiply(odd, batch_chunk(b + kWarps));
-        if (b + 3 * kWarps < batches) odd.load(lane, batch_chunk(b + 3 * kWarps));
+        if (kBothSetsBeforeWait && b + 3 * kWarps < batches) odd.load(lane, batch_chunk(b + 3 * kWarps));
     }
     for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
         WarpSteps<T, 1> step;
