@@ -93,10 +93,10 @@ struct WarpSteps {
 // feeds the mmas and the outputs are scaled by rsqrt(mean(x^2) + eps); dynamic shared memory K * 2 bytes.
 // The fused-norm 2-step variant (the default with a norm) is held to 80 registers, 3 blocks of 8
 // warps per SM: it needed 83, which allocates as 88 and fits only 2 (ncu, H200). Others: ptxas's choice.
-template <typename T, int kWarps, int kUnroll, bool kNorm>
+template <typename T, int kWarps, int kUnroll, bool kNorm, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kWarps * 32) : 0)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ norm_weight,
-                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate, bool silu_mul) {
+                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate) {
     static_assert(kWarps > 1, "the epilogue reduces the warps' partials in shared memory");
     extern __shared__ uint4 norm_chunks[];  // kNorm: g
     allow_dependents_to_launch();
@@ -104,11 +104,11 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
     const int g = lane_id >> 2, t = lane_id & 3;
     const int row_chunks = k / kChunk;
     const uint4* w_chunks = reinterpret_cast<const uint4*>(w);
-    const int inter = n / 2;  // silu_mul: gate rows [0, inter), up rows [inter, n)
-    const int row = silu_mul ? blockIdx.x * 8 + g : blockIdx.x * kTileRows + g;
+    const int inter = n / 2;  // kSiluMul: gate rows [0, inter), up rows [inter, n)
+    const int row = kSiluMul ? blockIdx.x * 8 + g : blockIdx.x * kTileRows + g;
     LaneRows lane;  // rows past the end re-read the last one
-    lane.row_lo = w_chunks + (int64_t)min(row, (silu_mul ? inter : n) - 1) * row_chunks;
-    lane.row_hi = w_chunks + (int64_t)(silu_mul ? inter + min(row, inter - 1) : min(row + 8, n - 1)) * row_chunks;
+    lane.row_lo = w_chunks + (int64_t)min(row, (kSiluMul ? inter : n) - 1) * row_chunks;
+    lane.row_hi = w_chunks + (int64_t)(kSiluMul ? inter + min(row, inter - 1) : min(row + 8, n - 1)) * row_chunks;
     lane.x = reinterpret_cast<const uint4*>(x) + (int64_t)min(g, tokens - 1) * row_chunks;
 
     const int full_steps = k / kStepK;
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
             for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
             scale = rsqrtf(total / k + eps);
         }
-        if (silu_mul) {
+        if constexpr (kSiluMul) {
             const float gate = c[j] * scale, up = c[2 + j] * scale;
             if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
             continue;
@@ -271,21 +271,23 @@ struct GemvArgs {
     cudaStream_t stream;
 };
 
-template <typename T, int kWarps, int kUnroll, bool kNorm>
+template <typename T, int kWarps, int kUnroll, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
-    const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm>;
+    const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm, kSiluMul>;
     const int smem = kNorm ? a.k * (int)sizeof(T) : 0;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    const int tiles = a.fusion.silu_mul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
+    const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
     launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), smem, a.stream, true,
                     static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.fusion.norm_weight),
-                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate, a.fusion.silu_mul);
+                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate);
 }
 
 template <typename T, int kWarps, int kUnroll>
 void launch_norm_or_plain(const GemvArgs& a) {
-    if (a.fusion.norm_weight) return launch_mma<T, kWarps, kUnroll, true>(a);
-    return launch_mma<T, kWarps, kUnroll, false>(a);
+    if (a.fusion.norm_weight)
+        return a.fusion.silu_mul ? launch_mma<T, kWarps, kUnroll, true, true>(a)
+                                 : launch_mma<T, kWarps, kUnroll, true, false>(a);
+    return launch_mma<T, kWarps, kUnroll, false, false>(a);
 }
 
 template <typename T, int kWarps>
@@ -316,7 +318,9 @@ template <typename T>
 void launch_typed(const GemvArgs& a, GemvTuning tuning) {
     auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const bool aligned = a.k % kChunk == 0 && aligned16(a.x) && aligned16(a.w) && aligned16(a.fusion.norm_weight);
-    if (!aligned) {
+    // The silu epilogue is instantiated with the norm only (the MLP's gate_up); ops.gemv runs a
+    // GEMV and the silu_mul kernel otherwise, so a direct call without a norm gets the scalar path.
+    if (!aligned || (a.fusion.silu_mul && !a.fusion.norm_weight)) {
         constexpr int kRowsPerBlock = 8;
         const int outputs = a.fusion.silu_mul ? a.n / 2 : a.n;
         gemv_scalar_kernel<T><<<ceil_div(outputs, kRowsPerBlock), kRowsPerBlock * 32, 0, a.stream>>>(

@@ -209,7 +209,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     Fusions of a Llama sublayer, so decode needs no norm or add kernel: `norm_weight` [K] multiplies
     RMSNorm(x) (eps as in the model) instead of x; `accumulate` adds the product into `out` in place
     (the residual stream) instead of overwriting it; `silu_mul` takes w as the MLP's [gate; up] [2I, K]
-    and returns silu(gate) * up [..., I]. `warps_per_block` (4, 8, 16) and `unroll`
+    and returns silu(gate) * up [..., I] (in the kernel's epilogue when a norm is fused too, as in the
+    MLP; otherwise through the silu_mul kernel). `warps_per_block` (4, 8, 16) and `unroll`
     (2, 4, 8) override the kernel's launch configuration (0: the measured default for the shape);
     `minfer.bench.gemv_sweep` times them."""
     k = x.shape[-1]
@@ -227,7 +228,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         out = x.new_empty(*x.shape[:-1], outputs)
     elif out.shape[-1] != outputs or out.numel() != tokens * outputs:
         raise FormatError(f"gemv: out must be [..., {outputs}] for {tokens} tokens, got {tuple(out.shape)}")
-    if use_kernels(x):
+    if use_kernels(x) and silu_mul and norm_weight is None:  # the kernel fuses silu only after a norm
+        gate_up = gemv(x.reshape(tokens, k), w, warps_per_block=warps_per_block, unroll=unroll)
+        torch.ops.minfer.silu_mul(gate_up, out.view(tokens, outputs))
+    elif use_kernels(x):
         torch.ops.minfer.gemv(x.reshape(tokens, k), w, out.view(tokens, outputs), norm_weight, eps, accumulate,
                               warps_per_block, unroll, silu_mul)
     else:
