@@ -79,7 +79,7 @@ __device__ __forceinline__ Best warp_best(Best best) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    argmax_kernel(const T* logits, int64_t* __restrict__ out, int vocab) {
+    argmax_kernel(const T* logits, int64_t* __restrict__ out, int vocab, TokenHandoff handoff) {
     allow_dependents_to_launch();
     wait_for_previous_kernel();  // the logits come from the previous kernel: coherent loads below
     constexpr int kPerChunk = 16 / sizeof(T);
@@ -115,22 +115,32 @@ __global__ void __launch_bounds__(kThreads)
     if (warp != 0) return;
     best = warp_best(per_warp[lane]);
     // Nothing beat -inf and nothing was NaN: every logit is -inf, and the first one wins.
-    if (lane == 0) out[blockIdx.x] = best.index == kNoIndex ? 0 : best.index;
+    if (lane != 0) return;
+    const int64_t token = best.index == kNoIndex ? 0 : best.index;
+    out[blockIdx.x] = token;
+    if (handoff.host_tokens) {
+        const int64_t position = *handoff.position;  // advanced only here, by the previous step's argmax
+        if (position + 1 >= 0 && position + 1 < handoff.capacity) handoff.host_tokens[position + 1] = token;
+        __threadfence_system();  // the token reaches host memory before the host can see this kernel done
+        *handoff.position = position + 1;
+    }
 }
 
 template <typename T>
-void launch_typed(const void* logits, int64_t* out, int64_t rows, int64_t vocab, cudaStream_t stream) {
+void launch_typed(const void* logits, int64_t* out, int64_t rows, int64_t vocab, const TokenHandoff& handoff,
+                  cudaStream_t stream) {
     launch_with_pdl(argmax_kernel<T>, dim3((unsigned)rows), dim3(kThreads), 0, stream, true,
-                    static_cast<const T*>(logits), out, (int)vocab);
+                    static_cast<const T*>(logits), out, (int)vocab, handoff);
 }
 
 }  // namespace
 
-void launch_argmax(const void* logits, int64_t* out, int64_t rows, int64_t vocab, DType dtype, cudaStream_t stream) {
+void launch_argmax(const void* logits, int64_t* out, int64_t rows, int64_t vocab, DType dtype,
+                   const TokenHandoff& handoff, cudaStream_t stream) {
     switch (dtype) {
-        case DType::kFloat16: launch_typed<half>(logits, out, rows, vocab, stream); break;
-        case DType::kBFloat16: launch_typed<__nv_bfloat16>(logits, out, rows, vocab, stream); break;
-        case DType::kFloat32: launch_typed<float>(logits, out, rows, vocab, stream); break;
+        case DType::kFloat16: launch_typed<half>(logits, out, rows, vocab, handoff, stream); break;
+        case DType::kBFloat16: launch_typed<__nv_bfloat16>(logits, out, rows, vocab, handoff, stream); break;
+        case DType::kFloat32: launch_typed<float>(logits, out, rows, vocab, handoff, stream); break;
     }
 }
 

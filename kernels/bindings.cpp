@@ -151,7 +151,8 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void argmax(const at::Tensor& logits, at::Tensor& out) {
+void argmax(const at::Tensor& logits, at::Tensor& out, const std::optional<at::Tensor>& position,
+            const std::optional<at::Tensor>& host_tokens) {
     check_cuda_contiguous(logits, "logits");
     check_cuda_contiguous(out, "out");
     MINFER_CHECK(logits.dim() == 2, "minfer.argmax: expects logits [B, V]");
@@ -159,10 +160,25 @@ void argmax(const at::Tensor& logits, at::Tensor& out) {
     MINFER_CHECK(out.scalar_type() == at::kLong, "minfer.argmax: out must be int64");
     MINFER_CHECK(logits.size(1) >= 1 && logits.size(1) <= INT32_MAX, "minfer.argmax: V must be in 1..2^31-1");
     MINFER_CHECK(logits.device() == out.device(), "minfer.argmax: tensors on different devices");
+    MINFER_CHECK(position.has_value() == host_tokens.has_value(),
+                 "minfer.argmax: position and host_tokens go together (the token hand-off)");
+    minfer::TokenHandoff handoff;
+    if (position.has_value()) {
+        check_cuda_contiguous(*position, "position");
+        MINFER_CHECK(position->numel() == 1 && position->scalar_type() == at::kLong && position->device() == out.device(),
+                     "minfer.argmax: position must be one int64 on the logits' device");
+        MINFER_CHECK(host_tokens->device().is_cpu() && host_tokens->is_pinned() && host_tokens->dim() == 1 &&
+                         host_tokens->is_contiguous() && host_tokens->scalar_type() == at::kLong,
+                     "minfer.argmax: host_tokens must be a contiguous 1-D int64 tensor in pinned host memory");
+        MINFER_CHECK(logits.size(0) == 1, "minfer.argmax: the token hand-off takes one row of logits");
+        handoff.position = position->data_ptr<int64_t>();
+        handoff.host_tokens = host_tokens->data_ptr<int64_t>();
+        handoff.capacity = host_tokens->numel();
+    }
     if (logits.size(0) == 0) return;
     const c10::cuda::CUDAGuard guard(logits.device());
     minfer::launch_argmax(logits.data_ptr(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1),
-                          dtype_of(logits), current_stream());
+                          dtype_of(logits), handoff, current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -402,7 +418,7 @@ TORCH_LIBRARY(minfer, m) {
           "int warps_per_block=0, int unroll=0, bool silu_mul=False) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
-    m.def("argmax(Tensor logits, Tensor(a!) out) -> ()");
+    m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
     m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");

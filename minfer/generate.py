@@ -1,9 +1,11 @@
 """Generation loop: prefill, then decode steps captured in CUDA graphs, with streaming and stats.
 
 One decode step (model forward on one token, sampling, feeding the sample back) reads and writes
-only static device buffers, so on a GPU it is captured once and replayed. Each replay's token is
-copied to pinned host memory with an event; the host reads token i while steps i+1..i+LOOKAHEAD
-are already queued, so the GPU never waits for Python.
+only static device buffers, so on a GPU it is captured once and replayed. The step's last kernel
+(the argmax) also writes its token into pinned host memory and advances the position (the token
+hand-off, `ops.argmax`), so nothing but an event sits between two replays; the host reads token i
+while steps i+1..i+LOOKAHEAD are already queued, so the GPU never waits for Python. Without minfer's
+kernels on a GPU (the torch backend) the token is copied to the host behind each replay instead.
 
 The torch attention path reads the cache up to `kv_len`, a static shape per graph: positions are
 grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its own graph.
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from . import ops
 from .errors import ContextLengthError, MinferError
 from .model import Transformer
 from .sampling import SamplingParams, sample
@@ -48,18 +51,25 @@ class GenerationResult:
 
 
 class _TokenReader:
-    """Device token -> host int, one slot per generated token, read behind the launches."""
+    """Device token -> host int, one pinned slot per cache position (a token sits at the position it
+    will be fed at), read behind the launches. With the hand-off the step's argmax kernel writes the
+    slot; otherwise `push` copies the token there."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, max_seq_len: int, device: torch.device, handoff: bool):
         self.cuda = device.type == "cuda"
-        self.host = torch.zeros(capacity, dtype=torch.int64, pin_memory=self.cuda)
+        self.handoff = handoff
+        self.host = torch.zeros(max_seq_len + 1, dtype=torch.int64, pin_memory=self.cuda)
+        self.first_slot = 0  # the position of generated token 0 (the prompt length)
         ring = LOOKAHEAD + 2  # a slot's event is reused only after its token was read
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(ring)] if self.cuda else []
         self.first = torch.cuda.Event(enable_timing=True) if self.cuda else None
-        self.times = [0.0] * capacity  # host clock (CPU device) when each token was produced
+        self.times = [0.0] * (max_seq_len + 1)  # host clock (CPU device) when each token was produced
 
     def push(self, index: int, token: torch.Tensor) -> None:
-        self.host[index:index + 1].copy_(token.view(-1)[:1], non_blocking=True)
+        """Marks generated token `index` as queued (its step was just launched)."""
+        if not self.handoff:
+            slot = self.first_slot + index
+            self.host[slot:slot + 1].copy_(token.view(-1)[:1], non_blocking=True)
         if self.cuda:
             self.events[index % len(self.events)].record()
             if index == 0:
@@ -70,7 +80,7 @@ class _TokenReader:
     def read(self, index: int) -> int:
         if self.cuda:
             self.events[index % len(self.events)].synchronize()
-        return int(self.host[index])
+        return int(self.host[self.first_slot + index])
 
     def seconds_since_first(self, last: int) -> float:
         """Time from producing token 0 to producing token `last` (already read)."""
@@ -99,7 +109,9 @@ class Generator:
         self._prompt = torch.zeros(1, max_seq_len, dtype=torch.int64, device=self.device)
         self._prompt_host = torch.zeros(max_seq_len, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._rng = torch.Generator(device=self.device)
-        self._reader = _TokenReader(max_seq_len, self.device)
+        # The token hand-off runs in minfer's argmax kernel, or in torch ops on the CPU.
+        self._handoff = self.device.type == "cpu" or ops.use_kernels(self._token)
+        self._reader = _TokenReader(max_seq_len, self.device, self._handoff)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
 
@@ -109,9 +121,16 @@ class Generator:
         return min(self.max_seq_len, -(-(pos + 1) // KV_BUCKET) * KV_BUCKET)
 
     def _step(self, kv_len: int, params: SamplingParams) -> None:
-        logits = self.model(self._token, self._pos, kv_len)
-        self._token.copy_(sample(logits[:, -1], params, self._rng).view(1, 1))
-        self._pos.add_(1)
+        self._sample_next(self.model(self._token, self._pos, kv_len), params)
+
+    def _sample_next(self, logits: torch.Tensor, params: SamplingParams) -> None:
+        """The token after `logits` becomes the next input, at position `_pos` + 1."""
+        if self._handoff:
+            sample(logits[:, -1], params, self._rng, out=self._token.view(1), position=self._pos,
+                   host_tokens=self._reader.host)
+        else:
+            self._token.copy_(sample(logits[:, -1], params, self._rng).view(1, 1))
+            self._pos.add_(1)
 
     def _capture(self, kv_len: int, params: SamplingParams) -> None:
         """Warm up (lazy library init) on a side stream, then capture one step. Only called before
@@ -192,9 +211,10 @@ class Generator:
             prefill_end.record()
         else:
             stats.prefill_ms = (time.perf_counter() - start) * 1e3
-        self._token.copy_(sample(logits[:, -1], params, self._rng).view(1, 1))
-        self._pos.fill_(n_prompt)
+        self._pos.fill_(n_prompt - 1)  # the prompt's last position; the first token goes to n_prompt
+        self._sample_next(logits, params)
         reader = self._reader
+        reader.first_slot = n_prompt
         reader.push(0, self._token)
 
         # Decode: keep LOOKAHEAD steps queued while the host reads, streams and checks for EOS.

@@ -298,18 +298,31 @@ def argmax_reference(logits: torch.Tensor) -> torch.Tensor:
 
 
 @fake_impl("minfer::argmax")
-def _argmax_fake(logits, out):
+def _argmax_fake(logits, out, position=None, host_tokens=None):
     return None
 
 
-def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Index of the largest logit along the last dim, int64 [...]: the first on ties, NaN counts as largest."""
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, *, position: torch.Tensor | None = None,
+           host_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the largest logit along the last dim, int64 [...]: the first on ties, NaN counts as largest.
+
+    The token hand-off of a decode step (one row): with `position` (int64 [1] on the logits' device)
+    and `host_tokens` (int64, pinned host memory), also host_tokens[position + 1] = the token and
+    position += 1, inside the kernel, so the host reads the token without a copy in the stream. It
+    needs minfer's kernels on the GPU; on the CPU the same happens with torch ops."""
     if out is None:
         out = torch.empty(logits.shape[:-1], dtype=torch.int64, device=logits.device)
+    if (position is None) != (host_tokens is None):
+        raise FormatError("argmax: position and host_tokens go together (the token hand-off)")
     if use_kernels(logits):
-        torch.ops.minfer.argmax(logits.reshape(-1, logits.shape[-1]), out.view(-1))
-    else:
-        out.copy_(argmax_reference(logits))
+        torch.ops.minfer.argmax(logits.reshape(-1, logits.shape[-1]), out.view(-1), position, host_tokens)
+        return out
+    if position is not None and logits.is_cuda:
+        raise FormatError("argmax: the token hand-off to host memory needs minfer's kernels on a GPU")
+    out.copy_(argmax_reference(logits))
+    if position is not None:
+        host_tokens[position + 1] = out.view(-1)[:1]
+        position.add_(1)
     return out
 
 

@@ -60,11 +60,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (int64), on the logits' device, without a host sync."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None, *,
+           out: torch.Tensor | None = None, position: torch.Tensor | None = None,
+           host_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] (int64), on the logits' device, without a host sync; into `out`
+    when given, with the token hand-off of `ops.argmax` when `position` and `host_tokens` are given."""
+    handoff = {"out": out, "position": position, "host_tokens": host_tokens}
     if params.greedy:
-        return ops.argmax(logits)
+        return ops.argmax(logits, **handoff)
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     # A zero draw would turn an excluded token's 0/0 into NaN, which argmax would pick.
     race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
-    return ops.argmax(probs / race)
+    return ops.argmax(probs / race, **handoff)
