@@ -173,7 +173,9 @@ def test_silu_mul_gemv_matches_float64(inter, k, tokens, dtype, norm):
     out = torch.full((tokens, inter), float("nan"), device="cuda", dtype=dtype)
     ops.gemv(x, w, out=out, norm_weight=g, eps=1e-5, silu_mul=True)
     assert not out.isnan().any(), "some outputs were never written"
-    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, None, silu_mul=True)) < TOLERANCE[dtype]
+    # Without the norm, gate and up are rounded to the dtype before the silu_mul kernel: twice the error.
+    tolerance = TOLERANCE[dtype] * (1 if norm else 2)
+    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, None, silu_mul=True)) < tolerance
 
 
 @requires_cuda
