@@ -142,3 +142,87 @@ def test_opcheck(dtype):
     v_cache = torch.zeros_like(k_cache)
     positions = torch.tensor([5, 6, 7], device="cuda")
     torch.library.opcheck(torch.ops.minfer.rope_write_kv.default, (q, k, v, cos, sin, positions, k_cache, v_cache))
+
+
+# The qkv projection with RoPE and the cache write in its epilogue (ops.gemv_rope_write_kv, batch 1).
+# (T, Hq, Hkv, D, K, S): Llama-2 (MHA) and Llama-3 (GQA) decode heads, D 64, several tokens; D 48
+# (not a multiple of 16) and K 1001 (rows not 16-byte aligned) run gemv, then rope_write_kv.
+QKV_CASES = [(1, 32, 32, 128, 4096, 64), (1, 32, 8, 128, 4096, 300), (3, 4, 2, 64, 1000, 40),
+             (8, 6, 2, 128, 264, 19), (2, 4, 2, 48, 256, 16), (1, 4, 4, 64, 1001, 16)]
+
+
+def qkv_rope_reference64(x, w, g, eps, cos, sin, positions, q_heads, kv_heads, head_dim):
+    """q, k (both rotated) and v [T, H, D] in float64, from RMSNorm(x; g) @ w.T."""
+    x64 = x.double()
+    if g is not None:
+        x64 = x64 * torch.rsqrt(x64.square().mean(dim=-1, keepdim=True) + eps) * g.double()
+    q, k, v = (x64 @ w.double().t()).view(x.shape[0], -1, head_dim).split([q_heads, kv_heads, kv_heads], dim=1)
+    return rope64(q, cos, sin, positions), rope64(k, cos, sin, positions), v
+
+
+@requires_cuda
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", QKV_CASES, ids=lambda c: "T{}-Hq{}-Hkv{}-D{}-K{}-S{}".format(*c))
+def test_gemv_rope_write_kv_matches_float64(case, dtype, norm):
+    tokens, q_heads, kv_heads, head_dim, k, max_seq_len = case
+    n = (q_heads + 2 * kv_heads) * head_dim
+    x = (torch.randn(tokens, k, device="cuda") * 3).to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    g = (1.0 + 0.3 * torch.randn(k, device="cuda")).to(dtype) if norm else None
+    cos, sin = tables(max_seq_len, head_dim, "cuda")
+    positions = torch.randperm(max_seq_len, device="cuda")[:tokens]
+    k_cache, v_cache = nan_caches(1, kv_heads, max_seq_len, head_dim, dtype, "cuda")
+    out = torch.full((tokens, n), float("nan"), device="cuda", dtype=dtype)
+    ops.gemv_rope_write_kv(x, w, out, g, 1e-5, cos, sin, positions, k_cache, v_cache)
+    q_ref, k_ref, v_ref = qkv_rope_reference64(x, w, g, 1e-5, cos, sin, positions, q_heads, kv_heads, head_dim)
+    tol = 2 * {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # the unfused path rounds the projection first
+    assert rel_error(out[:, :q_heads * head_dim].view(tokens, q_heads, head_dim), q_ref) < tol
+    assert rel_error(k_cache[0][:, positions].transpose(0, 1), k_ref) < tol
+    assert rel_error(v_cache[0][:, positions].transpose(0, 1), v_ref) < tol
+    untouched = torch.ones(max_seq_len, dtype=torch.bool, device="cuda")
+    untouched[positions] = False
+    assert k_cache[:, :, untouched].isnan().all() and v_cache[:, :, untouched].isnan().all()
+
+
+@requires_cuda
+def test_gemv_rope_write_kv_skips_positions_outside_the_cache():
+    """A token whose position lies past the cache is neither rotated nor cached (as rope_write_kv)."""
+    tokens, q_heads, kv_heads, head_dim, k, max_seq_len = 2, 4, 2, 64, 256, 8
+    n = (q_heads + 2 * kv_heads) * head_dim
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.float16)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).half()
+    g = torch.ones(k, device="cuda", dtype=torch.float16)
+    cos, sin = tables(max_seq_len, head_dim, "cuda")
+    positions = torch.tensor([3, max_seq_len], device="cuda")
+    k_cache, v_cache = nan_caches(1, kv_heads, max_seq_len, head_dim, torch.float16, "cuda")
+    out = torch.empty(tokens, n, device="cuda", dtype=torch.float16)
+    ops.gemv_rope_write_kv(x, w, out, g, 1e-5, cos, sin, positions, k_cache, v_cache)
+    plain = ops.linear_reference(x, w, g, 1e-5)
+    assert rel_error(out[1, :q_heads * head_dim], plain[1, :q_heads * head_dim]) < 2e-3  # unrotated
+    assert k_cache[:, :, 3].isfinite().all() and k_cache[:, :, [0, 1, 2, 4, 5, 6, 7]].isnan().all()
+
+
+@requires_cuda
+def test_gemv_rope_write_kv_rejects_bad_shapes():
+    x = torch.randn(1, 64, device="cuda", dtype=torch.float16)
+    w = torch.randn(5 * 64, 64, device="cuda", dtype=torch.float16)  # 5 heads of 64: not q + 2 x 2 kv heads
+    k_cache, v_cache = nan_caches(1, 2, 8, 64, torch.float16, "cuda")
+    cos, sin = tables(8, 64, "cuda")
+    with pytest.raises(RuntimeError, match="must be q, k and v heads"):
+        ops.gemv_rope_write_kv(x, w, torch.empty(1, 320, device="cuda", dtype=torch.float16), None, 1e-5, cos, sin,
+                               torch.zeros(1, dtype=torch.int64, device="cuda"), k_cache, v_cache)
+
+
+@requires_cuda
+def test_gemv_rope_write_kv_opcheck():
+    tokens, q_heads, kv_heads, head_dim, k, max_seq_len = 2, 4, 2, 64, 256, 16
+    n = (q_heads + 2 * kv_heads) * head_dim
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.float16)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).half()
+    g = torch.ones(k, device="cuda", dtype=torch.float16)
+    cos, sin = tables(max_seq_len, head_dim, "cuda")
+    k_cache, v_cache = nan_caches(1, kv_heads, max_seq_len, head_dim, torch.float16, "cuda")
+    out = torch.empty(tokens, n, device="cuda", dtype=torch.float16)
+    torch.library.opcheck(torch.ops.minfer.gemv_rope_write_kv.default,
+                          (x, w, out, g, 1e-5, cos, sin, torch.tensor([0, 1], device="cuda"), k_cache, v_cache))
