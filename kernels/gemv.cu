@@ -178,21 +178,21 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
             stage(full_steps * kStepChunks, row_chunks - full_steps * kStepChunks);
         cp_async_commit();
     }
-    // kRopeKv: each token's position and this tile's rotation, read before the wait (gemv.h) into
-    // shared memory (registers would spill under the 80-register bound); the epilogue reads them.
+    // kRopeKv: this lane's positions (tokens 2t, 2t + 1) and rotation, read before the wait (gemv.h).
+    int64_t position[2] = {-1, -1};
+    float cos_sin[2][2] = {};
     const bool rotated =
         kEpilogue == Epilogue::kRopeKv && (int)blockIdx.x < (rope.q_heads + rope.kv_heads) * (rope.head_dim / 16);
-    __shared__ int64_t rope_position[kEpilogue == Epilogue::kRopeKv ? kGemvMaxTokens : 1];
-    __shared__ float2 rope_cos_sin[kEpilogue == Epilogue::kRopeKv ? kGemvMaxTokens : 1][8];
     if constexpr (kEpilogue == Epilogue::kRopeKv) {
-        if (threadIdx.x < kGemvMaxTokens * 8) {
-            const int token = threadIdx.x / 8, group = threadIdx.x % 8;
+        const int half = rope.head_dim / 2, d = rows.lo % rope.head_dim;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int token = 2 * t + j;
             const int64_t p = token < tokens ? rope.positions[token] : -1;
-            const int64_t position = p >= 0 && p < rope.max_seq_len ? p : -1;
-            if (group == 0) rope_position[token] = position;
-            if (rotated && position >= 0) {
-                const int half = rope.head_dim / 2, d = (tile_rows<kEpilogue>(blockIdx.x, group, n, rope).lo) % rope.head_dim;
-                rope_cos_sin[token][group] = make_float2(rope.cos[position * half + d], rope.sin[position * half + d]);
+            position[j] = p >= 0 && p < rope.max_seq_len ? p : -1;
+            if (rotated && position[j] >= 0) {
+                cos_sin[j][0] = rope.cos[position[j] * half + d];
+                cos_sin[j][1] = rope.sin[position[j] * half + d];
             }
         }
     }
@@ -262,18 +262,16 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         }
         float lo_out = lo_value, hi_out = hi_value;
         if constexpr (kEpilogue == Epilogue::kRopeKv) {
-            const int64_t position = rope_position[token];
-            if (rotated && position >= 0) {
-                const float2 cs = rope_cos_sin[token][g];
-                lo_out = lo_value * cs.x - hi_value * cs.y;
-                hi_out = hi_value * cs.x + lo_value * cs.y;
+            if (rotated && position[j] >= 0) {
+                lo_out = lo_value * cos_sin[j][0] - hi_value * cos_sin[j][1];
+                hi_out = hi_value * cos_sin[j][0] + lo_value * cos_sin[j][1];
             }
             const int head = rows.lo / rope.head_dim, d = rows.lo % rope.head_dim;
-            if (head >= rope.q_heads && position >= 0) {  // a k or v head: also into its cache
+            if (head >= rope.q_heads && position[j] >= 0) {  // a k or v head: also into its cache
                 const bool is_k = head < rope.q_heads + rope.kv_heads;
                 const int kv_head = head - rope.q_heads - (is_k ? 0 : rope.kv_heads);
                 T* cache = static_cast<T*>(is_k ? rope.k_cache : rope.v_cache) +
-                           ((int64_t)kv_head * rope.max_seq_len + position) * rope.head_dim;
+                           ((int64_t)kv_head * rope.max_seq_len + position[j]) * rope.head_dim;
                 cache[d] = from_float<T>(lo_out);
                 cache[d + rows.hi - rows.lo] = from_float<T>(hi_out);
             }

@@ -206,11 +206,11 @@ def test_gemv_rope_write_kv_skips_positions_outside_the_cache():
 @requires_cuda
 def test_gemv_rope_write_kv_rejects_bad_shapes():
     x = torch.randn(1, 64, device="cuda", dtype=torch.float16)
-    w = torch.randn(4 * 64, 64, device="cuda", dtype=torch.float16)  # 4 heads of 64: no room for q beside 2 x 2
+    w = torch.randn(5 * 64, 64, device="cuda", dtype=torch.float16)  # 5 heads of 64: not q + 2 x 2 kv heads
     k_cache, v_cache = nan_caches(1, 2, 8, 64, torch.float16, "cuda")
     cos, sin = tables(8, 64, "cuda")
     with pytest.raises(RuntimeError, match="must be q, k and v heads"):
-        ops.gemv_rope_write_kv(x, w, torch.empty(1, 256, device="cuda", dtype=torch.float16), None, 1e-5, cos, sin,
+        ops.gemv_rope_write_kv(x, w, torch.empty(1, 320, device="cuda", dtype=torch.float16), None, 1e-5, cos, sin,
                                torch.zeros(1, dtype=torch.int64, device="cuda"), k_cache, v_cache)
 
 
