@@ -8,7 +8,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <string>
 
@@ -116,34 +115,27 @@ minfer::ProjectionFusion projection_fusion(const std::optional<at::Tensor>& norm
     return fusion;
 }
 
-// Shape and type checks of a decode GEMV: x [T, K], w [N, K], out [T, outputs]; returns {T, N, K}.
-std::array<int64_t, 3> check_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out, int64_t outputs_per_row,
-                                  const char* op) {
+void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::optional<at::Tensor>& norm_weight,
+          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll, bool silu_mul) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(w, "w");
     check_cuda_contiguous(out, "out");
-    MINFER_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, op, ": expects x [T, K], w [N, K], out [T, N]");
+    MINFER_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2, "minfer.gemv: expects x [T, K], w [N, K], out [T, N]");
     const int64_t tokens = x.size(0), k = x.size(1), n = w.size(0);
-    MINFER_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, op, ": takes 1..", minfer::kGemvMaxTokens,
+    MINFER_CHECK(tokens >= 1 && tokens <= minfer::kGemvMaxTokens, "minfer.gemv: takes 1..", minfer::kGemvMaxTokens,
                 " tokens, got ", tokens, "; use a GEMM for more");
-    MINFER_CHECK(w.size(1) == k, op, ": x has K=", k, " but w has K=", w.size(1));
-    MINFER_CHECK(out.size(0) == tokens && out.size(1) == outputs_per_row, op, ": out must be [", tokens, ", ",
-                 outputs_per_row, "]");
-    MINFER_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, op, ": N and K must be in 1..2^31-1");
-    MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(), op,
-                 ": x, w and out must share one dtype");
-    MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16, op,
-                 ": float16 or bfloat16 only, got ", w.scalar_type());
-    MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), op, ": tensors on different devices");
-    return {tokens, n, k};
-}
-
-void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::optional<at::Tensor>& norm_weight,
-          double eps, bool accumulate, int64_t warps_per_block, int64_t unroll, bool silu_mul) {
-    const int64_t n = w.size(0);
+    MINFER_CHECK(w.size(1) == k, "minfer.gemv: x has K=", k, " but w has K=", w.size(1));
+    const int64_t outputs = silu_mul ? n / 2 : n;
     MINFER_CHECK(!silu_mul || (n % 2 == 0 && !accumulate),
                  "minfer.gemv: silu_mul needs w = [gate; up] with an even N, and no accumulate");
-    const auto [tokens, _, k] = check_gemv(x, w, out, silu_mul ? n / 2 : n, "minfer.gemv");
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == outputs, "minfer.gemv: out must be [", tokens, ", ",
+                 outputs, "]");
+    MINFER_CHECK(n >= 1 && k >= 1 && n <= INT32_MAX && k <= INT32_MAX, "minfer.gemv: N and K must be in 1..2^31-1");
+    MINFER_CHECK(x.scalar_type() == w.scalar_type() && out.scalar_type() == w.scalar_type(),
+                "minfer.gemv: x, w and out must share one dtype");
+    MINFER_CHECK(w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
+                "minfer.gemv: float16 or bfloat16 only, got ", w.scalar_type());
+    MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.gemv: tensors on different devices");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                  "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
     MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
@@ -154,8 +146,8 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
     minfer::GemvTuning tuning;
     tuning.warps_per_block = (int)warps_per_block;
     tuning.unroll = (int)unroll;
-    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), fusion, nullptr,
-                        tuning, current_stream());
+    minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), fusion, tuning,
+                        current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -329,22 +321,12 @@ minfer::TokenHeadStrides token_head_strides(const at::Tensor& t, const char* nam
     return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// cos and sin fp32 [>= max_seq_len, head_dim / 2], input_pos int64 [tokens] (contiguous, CUDA).
-void check_rope_tables(const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& input_pos, int64_t tokens,
-                       int64_t head_dim, int64_t max_seq_len, const char* op) {
-    check_cuda_contiguous(cos, "cos");
-    check_cuda_contiguous(sin, "sin");
-    check_cuda_contiguous(input_pos, "input_pos");
-    MINFER_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
-                    cos.dim() == 2 && cos.size(1) == head_dim / 2 && cos.size(0) >= max_seq_len,
-                op, ": cos and sin must be float32 [>= ", max_seq_len, ", ", head_dim / 2, "]");
-    MINFER_CHECK(input_pos.scalar_type() == at::kLong && input_pos.dim() == 1 && input_pos.size(0) == tokens, op,
-                 ": input_pos must be int64 [", tokens, "]");
-}
-
 void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                    const at::Tensor& sin, const at::Tensor& input_pos, at::Tensor& k_cache, at::Tensor& v_cache) {
     const auto qs = token_head_strides(q, "q"), ks = token_head_strides(k, "k"), vs = token_head_strides(v, "v");
+    check_cuda_contiguous(cos, "cos");
+    check_cuda_contiguous(sin, "sin");
+    check_cuda_contiguous(input_pos, "input_pos");
     check_cuda_contiguous(k_cache, "k_cache");
     check_cuda_contiguous(v_cache, "v_cache");
     const int64_t batch = q.size(0), tokens = q.size(1), q_heads = q.size(2), head_dim = q.size(3);
@@ -356,7 +338,11 @@ void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                     k_cache.size(1) == kv_heads && k_cache.size(3) == head_dim,
                 "minfer.rope_write_kv: caches must be [", batch, ", ", kv_heads, ", S, ", head_dim, "]");
     const int64_t max_seq_len = k_cache.size(2);
-    check_rope_tables(cos, sin, input_pos, tokens, head_dim, max_seq_len, "minfer.rope_write_kv");
+    MINFER_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.sizes() == sin.sizes() &&
+                    cos.dim() == 2 && cos.size(1) == head_dim / 2 && cos.size(0) >= max_seq_len,
+                "minfer.rope_write_kv: cos and sin must be float32 [>= ", max_seq_len, ", ", head_dim / 2, "]");
+    MINFER_CHECK(input_pos.scalar_type() == at::kLong && input_pos.dim() == 1 && input_pos.size(0) == tokens,
+                "minfer.rope_write_kv: input_pos must be int64 [", tokens, "]");
     const auto dtype = q.scalar_type();
     MINFER_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
                     v_cache.scalar_type() == dtype,
@@ -370,55 +356,6 @@ void rope_write_kv(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                                  sin.data_ptr<float>(), input_pos.data_ptr<int64_t>(), k_cache.data_ptr(),
                                  v_cache.data_ptr(), batch, tokens, q_heads, kv_heads, head_dim, max_seq_len, qs, ks,
                                  vs, dtype_of(q), current_stream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void gemv_rope_write_kv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out,
-                        const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& input_pos, at::Tensor& k_cache, at::Tensor& v_cache) {
-    const char* op = "minfer.gemv_rope_write_kv";
-    const auto [tokens, n, k] = check_gemv(x, w, out, w.size(0), op);
-    check_cuda_contiguous(k_cache, "k_cache");
-    check_cuda_contiguous(v_cache, "v_cache");
-    MINFER_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == 1, op,
-                 ": caches must be [1, Hkv, S, D] (batch 1)");
-    const int64_t kv_heads = k_cache.size(1), max_seq_len = k_cache.size(2), head_dim = k_cache.size(3);
-    MINFER_CHECK(head_dim % 2 == 0 && n % head_dim == 0 && n / head_dim > 2 * kv_heads, op, ": w's ", n,
-                 " rows must be q, k and v heads of the caches' head_dim ", head_dim, " (", kv_heads, " kv heads)");
-    check_rope_tables(cos, sin, input_pos, tokens, head_dim, max_seq_len, op);
-    MINFER_CHECK(k_cache.scalar_type() == w.scalar_type() && v_cache.scalar_type() == w.scalar_type() &&
-                     k_cache.device() == w.device() && v_cache.device() == w.device() && cos.device() == w.device() &&
-                     sin.device() == w.device() && input_pos.device() == w.device(),
-                 op, ": the caches must have w's dtype, and every tensor w's device");
-    const minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, false, x, out, k, op);
-    const int64_t q_heads = n / head_dim - 2 * kv_heads;
-    const c10::cuda::CUDAGuard guard(w.device());
-    const auto stream = current_stream();
-    const auto dtype = dtype_of(w);
-    if (minfer::gemv_fuses_rope(x.data_ptr(), w.data_ptr(), k, fusion, (int)head_dim)) {
-        minfer::RopeKvWrite rope;
-        rope.cos = cos.data_ptr<float>();
-        rope.sin = sin.data_ptr<float>();
-        rope.positions = input_pos.data_ptr<int64_t>();
-        rope.k_cache = k_cache.data_ptr();
-        rope.v_cache = v_cache.data_ptr();
-        rope.q_heads = (int)q_heads;
-        rope.kv_heads = (int)kv_heads;
-        rope.head_dim = (int)head_dim;
-        rope.max_seq_len = (int)max_seq_len;
-        minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype, fusion, &rope, {}, stream);
-    } else {  // the projection, then the rotation and cache write over its q, k and v columns
-        minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype, fusion, nullptr, {},
-                            stream);
-        const minfer::TokenHeadStrides strides{tokens * n, n, head_dim};
-        auto* columns = static_cast<char*>(out.data_ptr());
-        const int64_t element = out.element_size();
-        minfer::launch_rope_write_kv(columns, columns + q_heads * head_dim * element,
-                                     columns + (q_heads + kv_heads) * head_dim * element, cos.data_ptr<float>(),
-                                     sin.data_ptr<float>(), input_pos.data_ptr<int64_t>(), k_cache.data_ptr(),
-                                     v_cache.data_ptr(), 1, tokens, q_heads, kv_heads, head_dim, max_seq_len, strides,
-                                     strides, strides, dtype, stream);
-    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -479,8 +416,6 @@ TORCH_LIBRARY(minfer, m) {
     m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
     m.def("gemv(Tensor x, Tensor w, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, bool accumulate=False, "
           "int warps_per_block=0, int unroll=0, bool silu_mul=False) -> ()");
-    m.def("gemv_rope_write_kv(Tensor x, Tensor w, Tensor(a!) out, Tensor? norm_weight, float eps, Tensor cos, "
-          "Tensor sin, Tensor input_pos, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
@@ -495,7 +430,6 @@ TORCH_LIBRARY(minfer, m) {
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("silu_mul", &silu_mul);
     m.impl("gemv", &gemv);
-    m.impl("gemv_rope_write_kv", &gemv_rope_write_kv);
     m.impl("hgemm", &hgemm);
     m.impl("hgemm_kernel", &hgemm_kernel);
     m.impl("argmax", &argmax);

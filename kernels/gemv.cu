@@ -86,34 +86,6 @@ struct WarpSteps {
     }
 };
 
-// What a tile's epilogue does with its 16 x tokens products (gemv.h, launch.h).
-enum class Epilogue { kStore, kSiluMul, kRopeKv };
-
-// The W rows a tile multiplies: mma row g is W row `lo`, mma row g + 8 is W row `hi`, so the lane
-// that ends with one output also holds its partner: silu_mul pairs gate row i with up row I + i,
-// rope pairs rows d and d + D/2 of one q or k head (v tiles are plain 16-row tiles).
-struct TileRows {
-    int lo, hi;
-};
-
-template <Epilogue kEpilogue>
-__device__ __forceinline__ TileRows tile_rows(int tile, int g, int n, const RopeKvWrite& rope) {
-    if constexpr (kEpilogue == Epilogue::kSiluMul) {
-        const int row = tile * 8 + g;
-        return {row, n / 2 + row};
-    } else if constexpr (kEpilogue == Epilogue::kRopeKv) {
-        const int tiles_per_head = rope.head_dim / 16, rotated_tiles = (rope.q_heads + rope.kv_heads) * tiles_per_head;
-        if (tile >= rotated_tiles) {
-            const int row = rotated_tiles * 16 + (tile - rotated_tiles) * 16 + g;
-            return {row, row + 8};
-        }
-        const int row = (tile / tiles_per_head) * rope.head_dim + (tile % tiles_per_head) * 8 + g;
-        return {row, row + rope.head_dim / 2};
-    } else {
-        return {tile * 16 + g, tile * 16 + g + 8};
-    }
-}
-
 // One block per 16-row tile; its kWarps warps take interleaved batches of kUnroll steps along K.
 // Each warp keeps one batch in flight while it multiplies the previous one (two register sets:
 // otherwise ptxas interleaves loads with the mmas that wait on them and few bytes stay in flight).
@@ -121,10 +93,10 @@ __device__ __forceinline__ TileRows tile_rows(int tile, int g, int n, const Rope
 // feeds the mmas and the outputs are scaled by rsqrt(mean(x^2) + eps); dynamic shared memory K * 2 bytes.
 // The fused-norm 2-step variant (the default with a norm) is held to 80 registers, 3 blocks of 8
 // warps per SM: it needed 83, which allocates as 88 and fits only 2 (ncu, H200). Others: ptxas's choice.
-template <typename T, int kWarps, int kUnroll, bool kNorm, Epilogue kEpilogue>
+template <typename T, int kWarps, int kUnroll, bool kNorm, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kWarps * 32) : 0)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ norm_weight,
-                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate, RopeKvWrite rope) {
+                    T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate) {
     static_assert(kWarps > 1, "the epilogue reduces the warps' partials in shared memory");
     extern __shared__ uint4 norm_chunks[];  // kNorm: g
     allow_dependents_to_launch();
@@ -132,10 +104,11 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
     const int g = lane_id >> 2, t = lane_id & 3;
     const int row_chunks = k / kChunk;
     const uint4* w_chunks = reinterpret_cast<const uint4*>(w);
-    const TileRows rows = tile_rows<kEpilogue>(blockIdx.x, g, n, rope);
+    const int inter = n / 2;  // kSiluMul: gate rows [0, inter), up rows [inter, n)
+    const int row = kSiluMul ? blockIdx.x * 8 + g : blockIdx.x * kTileRows + g;
     LaneRows lane;  // rows past the end re-read the last one
-    lane.row_lo = w_chunks + (int64_t)min(rows.lo, n - 1) * row_chunks;
-    lane.row_hi = w_chunks + (int64_t)min(rows.hi, n - 1) * row_chunks;
+    lane.row_lo = w_chunks + (int64_t)min(row, (kSiluMul ? inter : n) - 1) * row_chunks;
+    lane.row_hi = w_chunks + (int64_t)(kSiluMul ? inter + min(row, inter - 1) : min(row + 8, n - 1)) * row_chunks;
     lane.x = reinterpret_cast<const uint4*>(x) + (int64_t)min(g, tokens - 1) * row_chunks;
 
     const int full_steps = k / kStepK;
@@ -177,24 +150,6 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         if (warp == kWarps - 1 && full_steps * kStepK < k)
             stage(full_steps * kStepChunks, row_chunks - full_steps * kStepChunks);
         cp_async_commit();
-    }
-    // kRopeKv: this lane's positions (tokens 2t, 2t + 1) and rotation, read before the wait (gemv.h).
-    int64_t position[2] = {-1, -1};
-    float cos_sin[2][2] = {};
-    const bool rotated =
-        kEpilogue == Epilogue::kRopeKv && (int)blockIdx.x < (rope.q_heads + rope.kv_heads) * (rope.head_dim / 16);
-    if constexpr (kEpilogue == Epilogue::kRopeKv) {
-        const int half = rope.head_dim / 2, d = rows.lo % rope.head_dim;
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int token = 2 * t + j;
-            const int64_t p = token < tokens ? rope.positions[token] : -1;
-            position[j] = p >= 0 && p < rope.max_seq_len ? p : -1;
-            if (rotated && position[j] >= 0) {
-                cos_sin[j][0] = rope.cos[position[j] * half + d];
-                cos_sin[j][1] = rope.sin[position[j] * half + d];
-            }
-        }
     }
     wait_for_previous_kernel();
     if (warp < batches) even.load_x(lane, batch_chunk(warp));
@@ -253,32 +208,14 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
             for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
             scale = rsqrtf(total / k + eps);
         }
-        const float lo_value = c[j] * scale, hi_value = c[2 + j] * scale;
-        if constexpr (kEpilogue == Epilogue::kSiluMul) {
-            const int inter = n / 2;
-            if (rows.lo < inter)
-                out[(int64_t)token * inter + rows.lo] = from_float<T>(lo_value / (1.0f + __expf(-lo_value)) * hi_value);
+        if constexpr (kSiluMul) {
+            const float gate = c[j] * scale, up = c[2 + j] * scale;
+            if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
             continue;
         }
-        float lo_out = lo_value, hi_out = hi_value;
-        if constexpr (kEpilogue == Epilogue::kRopeKv) {
-            if (rotated && position[j] >= 0) {
-                lo_out = lo_value * cos_sin[j][0] - hi_value * cos_sin[j][1];
-                hi_out = hi_value * cos_sin[j][0] + lo_value * cos_sin[j][1];
-            }
-            const int head = rows.lo / rope.head_dim, d = rows.lo % rope.head_dim;
-            if (head >= rope.q_heads && position[j] >= 0) {  // a k or v head: also into its cache
-                const bool is_k = head < rope.q_heads + rope.kv_heads;
-                const int kv_head = head - rope.q_heads - (is_k ? 0 : rope.kv_heads);
-                T* cache = static_cast<T*>(is_k ? rope.k_cache : rope.v_cache) +
-                           ((int64_t)kv_head * rope.max_seq_len + position[j]) * rope.head_dim;
-                cache[d] = from_float<T>(lo_out);
-                cache[d + rows.hi - rows.lo] = from_float<T>(hi_out);
-            }
-        }
-        const int64_t lo = (int64_t)token * n + rows.lo, hi = (int64_t)token * n + rows.hi;
-        if (rows.lo < n) out[lo] = from_float<T>(lo_out + (accumulate ? to_float(out[lo]) : 0.0f));
-        if (rows.hi < n) out[hi] = from_float<T>(hi_out + (accumulate ? to_float(out[hi]) : 0.0f));
+        const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
+        if (row < n) out[lo] = from_float<T>(c[j] * scale + (accumulate ? to_float(out[lo]) : 0.0f));
+        if (row + 8 < n) out[hi] = from_float<T>(c[2 + j] * scale + (accumulate ? to_float(out[hi]) : 0.0f));
     }
 }
 
@@ -331,30 +268,26 @@ struct GemvArgs {
     void* out;
     int tokens, n, k;
     ProjectionFusion fusion;
-    const RopeKvWrite* rope;  // null: none
     cudaStream_t stream;
 };
 
-template <typename T, int kWarps, int kUnroll, bool kNorm, Epilogue kEpilogue>
+template <typename T, int kWarps, int kUnroll, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
-    const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm, kEpilogue>;
+    const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm, kSiluMul>;
     const int smem = kNorm ? a.k * (int)sizeof(T) : 0;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    const int tiles = kEpilogue == Epilogue::kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
+    const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
     launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), smem, a.stream, true,
                     static_cast<const T*>(a.x), static_cast<const T*>(a.w), static_cast<const T*>(a.fusion.norm_weight),
-                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate,
-                    a.rope ? *a.rope : RopeKvWrite{});
+                    static_cast<T*>(a.out), a.tokens, a.n, a.k, a.fusion.eps, a.fusion.accumulate);
 }
 
-// The silu and rope epilogues are instantiated with the norm only (the MLP's gate_up and the
-// attention's qkv); ops.gemv and the binding run the separate kernels otherwise.
 template <typename T, int kWarps, int kUnroll>
 void launch_norm_or_plain(const GemvArgs& a) {
-    if (!a.fusion.norm_weight) return launch_mma<T, kWarps, kUnroll, false, Epilogue::kStore>(a);
-    if (a.rope) return launch_mma<T, kWarps, kUnroll, true, Epilogue::kRopeKv>(a);
-    if (a.fusion.silu_mul) return launch_mma<T, kWarps, kUnroll, true, Epilogue::kSiluMul>(a);
-    return launch_mma<T, kWarps, kUnroll, true, Epilogue::kStore>(a);
+    if (a.fusion.norm_weight)
+        return a.fusion.silu_mul ? launch_mma<T, kWarps, kUnroll, true, true>(a)
+                                 : launch_mma<T, kWarps, kUnroll, true, false>(a);
+    return launch_mma<T, kWarps, kUnroll, false, false>(a);
 }
 
 template <typename T, int kWarps>
@@ -385,7 +318,8 @@ template <typename T>
 void launch_typed(const GemvArgs& a, GemvTuning tuning) {
     auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const bool aligned = a.k % kChunk == 0 && aligned16(a.x) && aligned16(a.w) && aligned16(a.fusion.norm_weight);
-    // A direct call with silu_mul but no norm gets the scalar path (see launch_norm_or_plain).
+    // The silu epilogue is instantiated with the norm only (the MLP's gate_up); ops.gemv runs a
+    // GEMV and the silu_mul kernel otherwise, so a direct call without a norm gets the scalar path.
     if (!aligned || (a.fusion.silu_mul && !a.fusion.norm_weight)) {
         constexpr int kRowsPerBlock = 8;
         const int outputs = a.fusion.silu_mul ? a.n / 2 : a.n;
@@ -406,16 +340,9 @@ void launch_typed(const GemvArgs& a, GemvTuning tuning) {
 
 }  // namespace
 
-bool gemv_fuses_rope(const void* x, const void* w, int64_t k, const ProjectionFusion& fusion, int head_dim) {
-    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    return k % kChunk == 0 && aligned16(x) && aligned16(w) && aligned16(fusion.norm_weight) && fusion.norm_weight &&
-           !fusion.accumulate && !fusion.silu_mul && head_dim % 16 == 0;
-}
-
 void launch_gemv(const void* x, const void* w, void* out, int64_t tokens, int64_t n, int64_t k, DType dtype,
-                 const ProjectionFusion& fusion, const RopeKvWrite* rope, const GemvTuning& tuning,
-                 cudaStream_t stream) {
-    const GemvArgs args{x, w, out, (int)tokens, (int)n, (int)k, fusion, rope, stream};
+                 const ProjectionFusion& fusion, const GemvTuning& tuning, cudaStream_t stream) {
+    const GemvArgs args{x, w, out, (int)tokens, (int)n, (int)k, fusion, stream};
     switch (dtype) {
         case DType::kFloat16: launch_typed<half>(args, tuning); break;
         case DType::kBFloat16: launch_typed<__nv_bfloat16>(args, tuning); break;

@@ -26,7 +26,7 @@ from torch import nn
 from . import ops
 from .config import ModelConfig
 from .errors import CheckpointError, ContextLengthError, MinferError
-from .formats import DenseWeight, RotaryCacheWrite, WeightFormat
+from .formats import DenseWeight, WeightFormat
 from .kv_cache import KVCache
 
 # ----------------------------------------------------------------------------------------------
@@ -115,14 +115,9 @@ class Linear(nn.Module):
         self.fmt = fmt
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                silu_mul: bool = False, kv_write: RotaryCacheWrite | None = None) -> torch.Tensor:
+                silu_mul: bool = False) -> torch.Tensor:
         """self(norm(x)); with `silu_mul` (a [gate; up] matrix) silu(gate) * up of it; added into
-        `residual` in place when given (WeightFormat.project: decode kernels fuse these steps). With
-        `kv_write` (the attention's [q; k; v] matrix) it returns q [B, T, Hq, D] after RoPE, with k
-        and v in the cache (WeightFormat.project_qkv). Forward hooks see every call (Wanda)."""
-        if kv_write is not None:
-            return self.fmt.project_qkv(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-                                        kv_write)
+        `residual` in place when given (WeightFormat.project: decode kernels fuse these steps)."""
         if norm is None and residual is None and not silu_mul:
             return self.fmt(x)
         return self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
@@ -161,12 +156,16 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """residual += o_proj(attention(qkv_proj(norm(residual)))), in place."""
         batch, seq, _ = residual.shape
+        d = self.head_dim
+        q, k, v = self.qkv_proj(residual, norm=norm).split(
+            [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(batch, seq, self.num_heads, d)
+        k = k.view(batch, seq, self.num_kv_heads, d)
+        v = v.view(batch, seq, self.num_kv_heads, d)
         cache = self.kv_cache
-        write = RotaryCacheWrite(*rope, input_pos, cache.k_cache, cache.v_cache, self.num_heads, self.num_kv_heads,
-                                 self.head_dim)
-        q = self.qkv_proj(residual, norm=norm, kv_write=write)
+        ops.rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
         out = attention(q, cache, input_pos, kv_len, mask, self.scale)
-        self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim), residual=residual)
+        self.o_proj(out.reshape(batch, seq, self.num_heads * d), residual=residual)
 
 
 class MLP(nn.Module):

@@ -519,44 +519,6 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         rope_write_kv_reference(q, k, v, cos, sin, input_pos, k_cache, v_cache)
 
 
-def gemv_rope_write_kv_reference(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, norm_weight: torch.Tensor | None,
-                                 eps: float, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The qkv projection (linear_reference), then rope_write_kv_reference over its q, k, v columns."""
-    tokens, n = out.shape
-    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    out.copy_(linear_reference(x, w, norm_weight, eps))
-    q_heads = n // head_dim - 2 * kv_heads
-    heads = out.view(1, tokens, q_heads + 2 * kv_heads, head_dim)
-    q, k, v = heads.split([q_heads, kv_heads, kv_heads], dim=2)
-    rope_write_kv_reference(q, k, v, cos, sin, input_pos, k_cache, v_cache)
-
-
-@fake_impl("minfer::gemv_rope_write_kv")
-def _gemv_rope_write_kv_fake(x, w, out, norm_weight, eps, cos, sin, input_pos, k_cache, v_cache):
-    return None
-
-
-def gemv_rope_write_kv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, norm_weight: torch.Tensor | None,
-                       eps: float, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """The attention's decode qkv step in one kernel (batch 1): out [T, (Hq + 2 Hkv) D] = the fused qkv
-    projection of RMSNorm(x) (`norm_weight`, or x itself), with RoPE applied to its q columns (as
-    rope_write_kv does), and the rotated k and v written into the [1, Hkv, S, D] caches at input_pos.
-    The k columns of `out` hold k rotated or not, depending on the path; the model reads only q.
-    Without the norm or at a head_dim that is not a multiple of 16 it runs gemv, then rope_write_kv."""
-    tokens = x.numel() // max(x.shape[-1], 1)
-    if out.shape != (tokens, w.shape[0]):
-        raise FormatError(f"gemv_rope_write_kv: out must be [{tokens}, {w.shape[0]}], got {tuple(out.shape)}")
-    if use_kernels(x):
-        torch.ops.minfer.gemv_rope_write_kv(x.reshape(tokens, -1), w, out, norm_weight, eps, cos, sin, input_pos,
-                                            k_cache, v_cache)
-    else:
-        gemv_rope_write_kv_reference(x.reshape(tokens, -1), w, out, norm_weight, eps, cos, sin, input_pos,
-                                     k_cache, v_cache)
-    return out
-
-
 # ---- Decode attention: split-K flash-decoding with GQA ----
 
 DECODE_ATTENTION_MAX_SPLITS = 256  # kernels/decode_attention.h: kDecodeAttnMaxSplits

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import FormatError
-from .base import RotaryCacheWrite, WeightFormat
+from .base import WeightFormat
 from .dense import DenseWeight
 from .macko import MackoWeight
 
@@ -34,4 +34,4 @@ def convert(model: nn.Module, spec: str, **options) -> nn.Module:
     return model
 
 
-__all__ = ["FORMATS", "RotaryCacheWrite", "WeightFormat", "DenseWeight", "MackoWeight", "convert", "format_class"]
+__all__ = ["FORMATS", "WeightFormat", "DenseWeight", "MackoWeight", "convert", "format_class"]

@@ -7,28 +7,12 @@ scheme (sparse, factorized, ...) is one subclass here plus its kernel, and the m
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
 from .. import ops
-
-
-@dataclass(frozen=True)
-class RotaryCacheWrite:
-    """Where the attention's qkv step puts its keys and values: HF half-split RoPE tables (fp32
-    [>= S, D/2]), the positions [T], and the [B, Hkv, S, D] caches."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    input_pos: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
 
 
 class WeightFormat(nn.Module, metaclass=ABCMeta):
@@ -70,20 +54,6 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
         if silu_mul:
             y = ops.silu_mul(y)
         return y if residual is None else residual.add_(y)
-
-    def project_qkv(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                    write: RotaryCacheWrite) -> torch.Tensor:
-        """The attention's qkv step, this matrix being [q; k; v] heads: project(x, norm) [B, T, N], RoPE
-        on q and k, k and v written into the caches at the positions; returns q [B, T, Hq, D]. This
-        version runs ops.rope_write_kv after the projection; a format may fuse both."""
-        batch, seq = x.shape[:2]
-        d = write.head_dim
-        q, k, v = self.project(x, norm_weight, eps).split(
-            [write.num_heads * d, write.num_kv_heads * d, write.num_kv_heads * d], dim=-1)
-        q = q.view(batch, seq, write.num_heads, d)
-        ops.rope_write_kv(q, k.view(batch, seq, write.num_kv_heads, d), v.view(batch, seq, write.num_kv_heads, d),
-                          write.cos, write.sin, write.input_pos, write.k_cache, write.v_cache)
-        return q
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import FormatError
-from .base import RotaryCacheWrite, WeightFormat
+from .base import WeightFormat
 
 
 class DenseWeight(WeightFormat):
@@ -50,13 +50,3 @@ class DenseWeight(WeightFormat):
             return ops.gemv(x, self.weight, out=residual, norm_weight=norm_weight, eps=eps,
                             accumulate=residual is not None, silu_mul=silu_mul)
         return super().project(x, norm_weight, eps, residual, silu_mul)
-
-    def project_qkv(self, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                    write: RotaryCacheWrite) -> torch.Tensor:
-        """Decode (batch 1) runs the norm, the projection, RoPE and the cache write as one GEMV."""
-        batch, seq = x.shape[:2]
-        if not (self._runs_kernels(x) and batch == 1 and 1 <= seq <= ops.GEMV_MAX_TOKENS):
-            return super().project_qkv(x, norm_weight, eps, write)
-        qkv = ops.gemv_rope_write_kv(x, self.weight, x.new_empty(seq, self.out_features), norm_weight, eps,
-                                     write.cos, write.sin, write.input_pos, write.k_cache, write.v_cache)
-        return qkv[:, :write.num_heads * write.head_dim].view(1, seq, write.num_heads, write.head_dim)
