@@ -205,7 +205,7 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
                 at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline,
-                bool accumulate, const std::optional<at::Tensor>& norm_weight, double eps) {
+                bool accumulate) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
@@ -217,6 +217,8 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
                 "minfer.macko_spmv: values, x and out must share one dtype");
     MINFER_CHECK(x.device() == values.device() && out.device() == values.device(),
                 "minfer.macko_spmv: tensors on different devices");
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No,
+                 "minfer.macko_spmv: out must not overlap x (other blocks still read x while one writes out)");
     MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
@@ -226,13 +228,9 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.warps_per_block = (int)warps_per_block;
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
-    const minfer::ProjectionFusion fusion =
-        projection_fusion(norm_weight, eps, accumulate, x, out, cols, "minfer.macko_spmv");
-    const char* error =
-        minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                                  x.data_ptr(), out.data_ptr(), rows, cols, tokens, fusion, dtype_of(values), tuning,
-                                  current_stream());
-    MINFER_CHECK(error == nullptr, "minfer.macko_spmv: ", error);
+    minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, dtype_of(values), tuning,
+                              current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -421,7 +419,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate, Tensor? norm_weight, float eps) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

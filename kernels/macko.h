@@ -14,14 +14,12 @@ struct MackoTuning {
     int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };
 
-// out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens, with the fusions of launch.h: the residual add
-// (`accumulate`) always; the RMSNorm of x (`norm_weight`) for one token with x staged in shared
-// memory (the block multiplies the staged x by g and sums its squares; the scale is applied per
-// row). x is [tokens, cols], out is [tokens, rows], both contiguous, in the values' dtype. values
-// must be 16-byte aligned, deltas 4-byte aligned. Returns null, or why nothing was launched.
-const char* launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                              void* out, int64_t rows, int64_t cols, int64_t tokens, const ProjectionFusion& fusion,
-                              DType dtype, const MackoTuning& tuning, cudaStream_t stream);
+// out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
+// residual add of a Llama sublayer, in place). x is [tokens, cols], out is [tokens, rows], both
+// contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
+void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
+                       const MackoTuning& tuning, cudaStream_t stream);
 
 // out = W as a dense, contiguous [rows, cols] matrix (every element written).
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,

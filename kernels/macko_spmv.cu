@@ -222,10 +222,7 @@ struct SpmvConsumer {
     int rows, cols, tokens;   // tokens left from this pass's first one
     int lane;
     bool accumulate;          // out += W x
-    const T* norm_weight;     // RMSNorm fused (one token, x in shared memory): x * g staged, scale at the end
-    float eps;
     float acc[TT];
-    float scale = 1.0f;       // RMSNorm: rsqrt(mean(x^2) + eps), set in stage()
 
     __device__ __forceinline__ uint32_t load_x(int64_t i) const {
         if constexpr (PDL) return load_coherent_u16(x + i);
@@ -253,20 +250,10 @@ struct SpmvConsumer {
 
     // x -> shared memory. Vector loads are issued in batches before their first use, so a block
     // waits about one L2 round trip however long x is.
-    // The staged value of x[i] (fp32): with the norm fused, g[i] * x[i] rounded to T (as the GEMV
-    // feeds its tensor cores), its square added to `sum_sq` first.
-    __device__ __forceinline__ float staged(float xv, int i, float& sum_sq) const {
-        if (norm_weight == nullptr) return xv;
-        sum_sq = fmaf(xv, xv, sum_sq);
-        return to_float(from_float<T>(xv * to_float(norm_weight[i])));
-    }
-
-    // Returns this thread's sum of the squares of the x it staged (RMSNorm; 0 without it).
-    __device__ __forceinline__ float stage_one_token(float* xs) const {
-        float sum_sq = 0.0f;
+    __device__ __forceinline__ void stage_one_token(float* xs) const {
         if (!x_vectorized()) {
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = staged(bits_to_float<T>(load_x(i)), i, sum_sq);
-            return sum_sq;
+            for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_x(i));
+            return;
         }
         constexpr int kBatch = 4;
         const int vectors = cols / 8;
@@ -283,27 +270,10 @@ struct SpmvConsumer {
                 if (i >= vectors) break;
                 const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
                 const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
-                const int col = 8 * i;
-                reinterpret_cast<float4*>(xs)[2 * i] =
-                    make_float4(staged(a.x, col, sum_sq), staged(a.y, col + 1, sum_sq), staged(b.x, col + 2, sum_sq),
-                                staged(b.y, col + 3, sum_sq));
-                reinterpret_cast<float4*>(xs)[2 * i + 1] =
-                    make_float4(staged(c.x, col + 4, sum_sq), staged(c.y, col + 5, sum_sq),
-                                staged(d.x, col + 6, sum_sq), staged(d.y, col + 7, sum_sq));
+                reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+                reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
             }
         }
-        return sum_sq;
-    }
-
-    // scale = rsqrt(mean(x^2) + eps) from every thread's partial sum, added in a fixed order.
-    __device__ __forceinline__ void reduce_norm_scale(float sum_sq) {
-        __shared__ float per_warp[kMaxThreads / kWarpSize];
-        sum_sq = warp_sum(sum_sq);
-        if (lane == 0) per_warp[threadIdx.x / kWarpSize] = sum_sq;
-        __syncthreads();
-        float total = 0.0f;
-        for (int w = 0; w < (int)blockDim.x / kWarpSize; ++w) total += per_warp[w];
-        scale = rsqrtf(total / cols + eps);
     }
 
     // One column per thread, all TT tokens, two columns' loads in flight before their stores
@@ -334,12 +304,10 @@ struct SpmvConsumer {
             wait_for_previous_kernel();
         }
         if constexpr (X_IN_SMEM) {
-            if constexpr (TT == 1) {
-                const float sum_sq = stage_one_token(static_cast<float*>(smem));
-                if (norm_weight != nullptr) reduce_norm_scale(sum_sq);
-            } else {
+            if constexpr (TT == 1)
+                stage_one_token(static_cast<float*>(smem));
+            else
                 stage_tokens(static_cast<uint32_t*>(smem));
-            }
             __syncthreads();
         }
     }
@@ -398,7 +366,7 @@ struct SpmvConsumer {
         }
         if (lane < TT && lane < tokens) {
             const int64_t idx = (int64_t)lane * rows + row;
-            out[idx] = from_float<T>(mine * scale + (accumulate ? to_float(out[idx]) : 0.0f));
+            out[idx] = from_float<T>(mine + (accumulate ? to_float(out[idx]) : 0.0f));
         }
     }
 };
@@ -408,15 +376,13 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __
                                                                  const uint32_t* __restrict__ deltas,
                                                                  const int* __restrict__ row_ptr,
                                                                  const uint16_t* x, T* __restrict__ out,
-                                                                 int rows, int cols, int tokens, bool accumulate,
-                                                                 const T* __restrict__ norm_weight, float eps) {
+                                                                 int rows, int cols, int tokens, bool accumulate) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
     const int token0 = blockIdx.y * TT;
     SpmvConsumer<T, TT, X_IN_SMEM, PIPELINE> consumer{x + (int64_t)token0 * cols, out + (int64_t)token0 * rows, smem,
-                                                      rows, cols, tokens - token0, lane, accumulate, norm_weight,
-                                                      eps, {}};
+                                            rows, cols, tokens - token0, lane, accumulate, {}};
     const int first_row = blockIdx.x * warps + threadIdx.x / kWarpSize;
     if constexpr (PIPELINE)
         walk_rows<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
@@ -553,23 +519,21 @@ dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_byte
 
 template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, ProjectionFusion fusion, int warps_per_block,
-                       cudaStream_t stream) {
+                       int rows, int cols, int tokens, bool accumulate, int warps_per_block, cudaStream_t stream) {
     auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM, PIPELINE>;
     const int smem = !X_IN_SMEM ? 0 : TT == 1 ? cols * (int)sizeof(float) : cols * TT * (int)sizeof(T);
     launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT)),
                     dim3(warps_per_block * kWarpSize), smem, stream, PIPELINE, static_cast<const uint4*>(values),
                     reinterpret_cast<const uint32_t*>(deltas), row_ptr, static_cast<const uint16_t*>(x),
-                    static_cast<T*>(out), rows, cols, tokens, fusion.accumulate,
-                    static_cast<const T*>(fusion.norm_weight), fusion.eps);
+                    static_cast<T*>(out), rows, cols, tokens, accumulate);
 }
 
 template <typename T, int STEPS>
 void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, const ProjectionFusion& fusion, int tokens_per_pass,
-                       bool x_in_smem, int warps_per_block, cudaStream_t stream) {
+                       int rows, int cols, int tokens, bool accumulate, int tokens_per_pass, bool x_in_smem,
+                       int warps_per_block, cudaStream_t stream) {
     const auto args =
-        std::make_tuple(values, deltas, row_ptr, x, out, rows, cols, tokens, fusion, warps_per_block, stream);
+        std::make_tuple(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps_per_block, stream);
     if (!x_in_smem) return std::apply(launch_spmv_typed<T, 1, STEPS, false>, args);
     switch (tokens_per_pass) {
         case 1: return std::apply(launch_spmv_typed<T, 1, STEPS, true>, args);
@@ -581,9 +545,9 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
 }
 
 template <typename T>
-const char* launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                              void* out, int rows, int cols, int tokens, const ProjectionFusion& fusion,
-                              const MackoTuning& tuning, cudaStream_t stream) {
+void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
+                       int rows, int cols, int tokens, bool accumulate, const MackoTuning& tuning,
+                       cudaStream_t stream) {
     const int smem_optin = device_limits().smem_optin;
     // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
     // are read once; one token per pass with fp32 x otherwise.
@@ -598,34 +562,30 @@ const char* launch_spmv_dtype(const void* values, const uint8_t* deltas, const i
     const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block
                       : per_pass > 1             ? kMaxThreads / kWarpSize
                                                  : kDefaultWarpsPerBlock;
-    if (fusion.norm_weight && (tokens != 1 || !x_in_smem || tuning.pipeline == 0))
-        return "the fused RMSNorm needs one token, x in shared memory and the pipelined kernel";
-    if (tuning.pipeline == 0) {  // the reference kernel's schedule: one step, x from global, no prefetch
-        launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens, fusion, warps,
-                                                 stream);
-        return nullptr;
-    }
+    if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
+        return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
+                                                        accumulate, warps, stream);
     auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
-    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, fusion, per_pass, x_in_smem, warps, stream);
-    return nullptr;
+    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, per_pass, x_in_smem, warps, stream);
 }
 
 }  // namespace
 
-const char* launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                              void* out, int64_t rows, int64_t cols, int64_t tokens, const ProjectionFusion& fusion,
-                              DType dtype, const MackoTuning& tuning, cudaStream_t stream) {
-    if (rows == 0 || tokens == 0) return nullptr;
+void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
+                       const MackoTuning& tuning, cudaStream_t stream) {
+    if (rows == 0 || tokens == 0) return;
     switch (dtype) {
         case DType::kFloat16:
-            return launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, fusion,
-                                           tuning, stream);
+            launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, accumulate,
+                                    tuning, stream);
+            break;
         case DType::kBFloat16:
-            return launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols,
-                                                    (int)tokens, fusion, tuning, stream);
+            launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
+                                             accumulate, tuning, stream);
+            break;
         case DType::kFloat32: break;  // rejected by the binding
     }
-    return nullptr;
 }
 
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,

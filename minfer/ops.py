@@ -360,18 +360,16 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
     return dense
 
 
-def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
-                         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> torch.Tensor:
-    """x [T, K] @ W.T with W decompressed (of RMSNorm(x) with `norm_weight`, plus `residual`), as
-    linear_reference computes it: the CPU path and the oracle."""
+def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
+                         x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ W.T with W decompressed, in fp32 (plus `residual`, rounded once): the CPU path and the oracle."""
     weight = macko_decompress_reference(values, deltas, row_ptr, x.shape[-1])
-    return linear_reference(x, weight, norm_weight, eps, residual)
+    y = F.linear(x.float(), weight.float())
+    return (y if residual is None else y + residual.float()).to(x.dtype)
 
 
 @fake_impl("minfer::macko_spmv")
-def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline, accumulate,
-                     norm_weight, eps):
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline, accumulate):
     return None
 
 
@@ -381,13 +379,10 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
 
 
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
-               out: torch.Tensor | None = None, *, accumulate: bool = False, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, steps: int = 0, warps_per_block: int = 0, x_in_smem: int = -1,
-               pipeline: int = 1) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, accumulate: bool = False, steps: int = 0, warps_per_block: int = 0,
+               x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
     """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
-    `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer); with `norm_weight`,
-    of RMSNorm(x) instead of x (inside the kernel for one token, whose block stages x anyway; more
-    tokens, or x gathered from global memory, run the rms_norm kernel first).
+    `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
     passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
@@ -401,12 +396,10 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     if out is None:
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
     if use_kernels(x):
-        if norm_weight is not None and (x.shape[0] != 1 or x_in_smem == 0 or pipeline == 0):
-            x, norm_weight = rms_norm(x, norm_weight, eps), None
         torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline,
-                                    accumulate, norm_weight, eps)
+                                    accumulate)
     else:
-        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None, norm_weight, eps))
+        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None))
     return out
 
 

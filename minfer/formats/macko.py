@@ -156,22 +156,19 @@ class MackoWeight(WeightFormat):
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        """Decode runs the norm (one token) and the residual add inside the SpMV kernel; the MLP
-        activation runs as its own kernel."""
+        """Decode adds into the residual stream inside the SpMV kernel; the norm and the MLP activation
+        run as kernels of their own."""
         tokens = x.numel() // max(self.in_features, 1)
-        kernels = (ops.use_kernels(x) and self.values.dtype != torch.float32
-                   and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS and (residual is None or residual.is_contiguous()))
-        if not kernels:
-            return super().project(x, norm_weight, eps, residual, silu_mul)
+        fused_add = (residual is not None and residual.is_contiguous() and ops.use_kernels(x)
+                     and self.values.dtype != torch.float32 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS)
+        if norm_weight is not None:
+            x = ops.rms_norm(x, norm_weight, eps)
+        if not fused_add:
+            return super().project(x, residual=residual, silu_mul=silu_mul)
         flat = x.reshape(-1, self.in_features).contiguous()
-        accumulate = residual is not None
-        out = residual.view(tokens, self.out_features) if accumulate else x.new_empty(tokens, self.out_features)
-        ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, out=out, accumulate=accumulate,
-                       norm_weight=norm_weight, eps=eps)
-        if accumulate:
-            return residual
-        y = out.view(*x.shape[:-1], self.out_features)
-        return ops.silu_mul(y) if silu_mul else y
+        ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, out=residual.view(tokens, self.out_features),
+                       accumulate=True)
+        return residual
 
     # --- what the reports show -------------------------------------------------------------
 
