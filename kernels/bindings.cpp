@@ -138,9 +138,8 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
     MINFER_CHECK(x.device() == w.device() && out.device() == w.device(), "minfer.gemv: tensors on different devices");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                  "minfer.gemv: warps_per_block must be 0 (auto), 4, 8 or 16");
-    MINFER_CHECK(unroll == 0 || unroll == 1 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
-                 "minfer.gemv: unroll must be 0 (auto), 1 (shared-memory ring), 2, 4 or 8 (8 only with fewer than 16 "
-                 "warps)");
+    MINFER_CHECK(unroll == 0 || unroll == 2 || unroll == 4 || (unroll == 8 && warps_per_block != 16),
+                 "minfer.gemv: unroll must be 0 (auto), 2, 4 or 8 (8 only with fewer than 16 warps)");
     minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, accumulate, x, out, k, "minfer.gemv");
     fusion.silu_mul = silu_mul;
     const c10::cuda::CUDAGuard guard(w.device());

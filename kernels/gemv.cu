@@ -19,9 +19,6 @@ constexpr int kTileRows = 16;                 // mma M
 constexpr int kChunk = 8;                     // elements in one 16-byte load
 constexpr int kStepChunks = 4;                // chunks of one row per warp step (lanes t = 0..3)
 constexpr int kStepK = kStepChunks * kChunk;  // 32: two k16 mmas
-// kUnroll == 1: a per-warp ring of one-step slots (1 KB) in shared memory, filled by cp.async.
-constexpr int kRingSlots = 6;
-constexpr int kRingSlotsBeforeWait = 3;  // the other slots are filled right after the PDL wait
 
 // What lane (g, t) reads: rows g and g + 8 of its tile, and x of token g. Lanes past the last token
 // read token 0 instead: their B column only feeds output columns that are never stored.
@@ -97,7 +94,7 @@ struct WarpSteps {
 // The fused-norm 2-step variant (the default with a norm) is held to 80 registers, 3 blocks of 8
 // warps per SM: it needed 83, which allocates as 88 and fits only 2 (ncu, H200). Others: ptxas's choice.
 template <typename T, int kWarps, int kUnroll, bool kNorm, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, (kNorm && kUnroll == 2) || kUnroll == 1 ? 768 / (kWarps * 32) : 0)
+__global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kWarps * 32) : 0)
     gemv_mma_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ norm_weight,
                     T* __restrict__ out, int tokens, int n, int k, float eps, bool accumulate) {
     static_assert(kWarps > 1, "the epilogue reduces the warps' partials in shared memory");
@@ -138,9 +135,8 @@ __global__ void __launch_bounds__(kWarps * 32, (kNorm && kUnroll == 2) || kUnrol
     // the o GEMV's blocks wait through the attention, and their early loads slowed it (H200 timeline).
     constexpr bool kBothSetsBeforeWait = kNorm;
     WarpSteps<T, kUnroll> even, odd;
-    if (kUnroll > 1 && warp < batches) even.load_weights(lane, batch_chunk(warp));
-    if (kUnroll > 1 && kBothSetsBeforeWait && warp + kWarps < batches)
-        odd.load_weights(lane, batch_chunk(warp + kWarps));
+    if (warp < batches) even.load_weights(lane, batch_chunk(warp));
+    if (kBothSetsBeforeWait && warp + kWarps < batches) odd.load_weights(lane, batch_chunk(warp + kWarps));
     if constexpr (kNorm) {
         // g is a weight too: each warp copies the chunks its own steps read (below) into shared
         // memory, asynchronously, so only its first multiply waits for them and no block barrier
@@ -155,53 +151,17 @@ __global__ void __launch_bounds__(kWarps * 32, (kNorm && kUnroll == 2) || kUnrol
             stage(full_steps * kStepChunks, row_chunks - full_steps * kStepChunks);
         cp_async_commit();
     }
-    // kUnroll == 1: the warp's steps b = warp + i * kWarps stream through ring slot i % kRingSlots,
-    // one cp.async group per step (committed after g's, so the groups complete in step order). Some
-    // slots are filled before the wait and the rest right after it, so DRAM stays busy while the
-    // first x arrives; each consumed slot is refilled kRingSlots steps ahead.
-    uint4* ring = norm_chunks + (kNorm ? row_chunks : 0) + warp * kRingSlots * 64;
-    auto ring_issue = [&](int i) {
-        const int b = warp + i * kWarps;
-        if (b < batches) {
-            uint4* slot = ring + (i % kRingSlots) * 64;
-            cp_async_16(smem_addr(slot + lane_id), lane.row_lo + batch_chunk(b));
-            cp_async_16(smem_addr(slot + 32 + lane_id), lane.row_hi + batch_chunk(b));
-        }
-        cp_async_commit();  // also when empty: every step owns one group
-    };
-    if constexpr (kUnroll == 1)
-        for (int i = 0; i < kRingSlotsBeforeWait; ++i) ring_issue(i);
     wait_for_previous_kernel();
-    if constexpr (kUnroll == 1) {
-        for (int i = kRingSlotsBeforeWait; i < kRingSlots; ++i) ring_issue(i);
-        norm_staged = true;  // g's group completes before each step's group (waited on below)
-        WarpSteps<T, 1> step;
-        uint4 x_next = warp < batches ? load_coherent_16B(lane.x + batch_chunk(warp)) : make_uint4(0, 0, 0, 0);
-        for (int i = 0, b = warp; b < batches; ++i, b += kWarps) {
-            step.xv[0] = x_next;
-            if (b + kWarps < batches) x_next = load_coherent_16B(lane.x + batch_chunk(b + kWarps));
-            cp_async_wait<kRingSlots - 1>();
-            __syncwarp();  // g's chunks were copied by other lanes
-            const uint4* slot = ring + (i % kRingSlots) * 64;
-            step.lo[0] = slot[lane_id];
-            step.hi[0] = slot[32 + lane_id];
-            multiply(step, batch_chunk(b));
-            ring_issue(i + kRingSlots);
-        }
-        cp_async_wait<0>();
-        __syncwarp();
-    } else {
-        if (warp < batches) even.load_x(lane, batch_chunk(warp));
-        if (kBothSetsBeforeWait && warp + kWarps < batches) odd.load_x(lane, batch_chunk(warp + kWarps));
-        for (int b = warp; b < batches; b += 2 * kWarps) {  // one set in flight while the other multiplies
-            if (!kBothSetsBeforeWait && b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
-            multiply(even, batch_chunk(b));
-            if (kBothSetsBeforeWait && b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
-            if (b + kWarps >= batches) break;
-            if (!kBothSetsBeforeWait && b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
-            multiply(odd, batch_chunk(b + kWarps));
-            if (kBothSetsBeforeWait && b + 3 * kWarps < batches) odd.load(lane, batch_chunk(b + 3 * kWarps));
-        }
+    if (warp < batches) even.load_x(lane, batch_chunk(warp));
+    if (kBothSetsBeforeWait && warp + kWarps < batches) odd.load_x(lane, batch_chunk(warp + kWarps));
+    for (int b = warp; b < batches; b += 2 * kWarps) {  // one set in flight while the other multiplies
+        if (!kBothSetsBeforeWait && b + kWarps < batches) odd.load(lane, batch_chunk(b + kWarps));
+        multiply(even, batch_chunk(b));
+        if (kBothSetsBeforeWait && b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
+        if (b + kWarps >= batches) break;
+        if (!kBothSetsBeforeWait && b + 2 * kWarps < batches) even.load(lane, batch_chunk(b + 2 * kWarps));
+        multiply(odd, batch_chunk(b + kWarps));
+        if (kBothSetsBeforeWait && b + 3 * kWarps < batches) odd.load(lane, batch_chunk(b + 3 * kWarps));
     }
     for (int s = batches * kUnroll + warp; s < full_steps; s += kWarps) {
         WarpSteps<T, 1> step;
@@ -314,7 +274,7 @@ struct GemvArgs {
 template <typename T, int kWarps, int kUnroll, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
     const auto kernel = gemv_mma_kernel<T, kWarps, kUnroll, kNorm, kSiluMul>;
-    const int smem = (kNorm ? a.k * (int)sizeof(T) : 0) + (kUnroll == 1 ? kWarps * kRingSlots * 1024 : 0);
+    const int smem = kNorm ? a.k * (int)sizeof(T) : 0;
     if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
     launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), smem, a.stream, true,
@@ -333,7 +293,6 @@ void launch_norm_or_plain(const GemvArgs& a) {
 template <typename T, int kWarps>
 void launch_warps(const GemvArgs& a, int unroll) {
     switch (unroll) {
-        case 1: return launch_norm_or_plain<T, kWarps, 1>(a);
         case 2: return launch_norm_or_plain<T, kWarps, 2>(a);
         case 4: return launch_norm_or_plain<T, kWarps, 4>(a);
         default:  // 16 warps x 8 steps would spill: 16 warps take 4

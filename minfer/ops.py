@@ -211,8 +211,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     (the residual stream) instead of overwriting it; `silu_mul` takes w as the MLP's [gate; up] [2I, K]
     and returns silu(gate) * up [..., I] (in the kernel's epilogue when a norm is fused too, as in the
     MLP; otherwise through the silu_mul kernel). `warps_per_block` (4, 8, 16) and `unroll`
-    (2, 4, 8 steps per register batch, or 1: one-step slots of a shared-memory ring filled by
-    cp.async) override the kernel's launch configuration (0: the measured default for the shape);
+    (2, 4, 8) override the kernel's launch configuration (0: the measured default for the shape);
     `minfer.bench.gemv_sweep` times them."""
     k = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != k:

@@ -45,7 +45,7 @@ def test_gemv_matches_float64(n, k, tokens, dtype):
 
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 8])
-@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (1, 2, 4, 8) if (w, u) != (16, 8)])
+@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
 @pytest.mark.parametrize("n,k", [(77, 1000), (300, 4104)])
 def test_every_launch_configuration(n, k, warps, unroll, tokens):
     """Every (warps, unroll) variant that gemv_sweep times matches float64."""
@@ -140,7 +140,7 @@ def test_fused_gemv_matches_float64(n, k, tokens, dtype, norm, accumulate):
 
 
 @requires_cuda
-@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (1, 2, 4, 8) if (w, u) != (16, 8)])
+@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
 def test_fused_gemv_every_launch_configuration(warps, unroll):
     x, w, g, out = fused_problem(2, 300, 4104, torch.float16, True, True)
     expected = fused_linear_reference64(x, w, g, 1e-6, out.clone())
@@ -179,7 +179,7 @@ def test_silu_mul_gemv_matches_float64(inter, k, tokens, dtype, norm):
 
 
 @requires_cuda
-@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (1, 2, 4, 8) if (w, u) != (16, 8)])
+@pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
 def test_silu_mul_gemv_every_launch_configuration(warps, unroll):
     x, w, g, _ = fused_problem(2, 2 * 300, 4104, torch.float16, True, False)
     out = ops.gemv(x, w, norm_weight=g, eps=1e-6, silu_mul=True, warps_per_block=warps, unroll=unroll)

@@ -21,7 +21,7 @@ from . import report
 from .cases_gemv import DECODE_SHAPES
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
-CONFIGS = [(w, u) for w in (4, 8, 16) for u in (1, 2, 4, 8) if (w, u) != (16, 8)]  # (warps per block, unroll)
+CONFIGS = [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)]  # (warps per block, unroll)
 COLUMNS = [report.Column(*c) for c in [
     ("shape", "shape"), ("tokens", "T"), ("config", "warps/unroll"), ("ms", "ms", "{:.4f}"),
     ("pct_copy", "% copy", "{:.1f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"), ("best", "")]]
