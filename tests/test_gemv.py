@@ -148,8 +148,9 @@ def test_fused_gemv_every_launch_configuration(warps, unroll):
     assert rel_error(out, expected) < TOLERANCE[torch.float16]
 
 
-# (I, K) of [gate; up] matrices [2I, K]: I off the 8-row half tile, every launch shape, the scalar path.
-SILU_SHAPES = [(1, 8), (37, 1000), (688, 4096), (300, 4104), (5504, 4096), (64, 11008), (21, 1001)]
+# (I, K) of [gate; up] matrices [2I, K]: I off the 8-row half tile, every launch shape, the scalar path
+# (K of a few hundred at least: with the norm, g * x is rounded to the dtype, and bf16 needs the averaging).
+SILU_SHAPES = [(1, 264), (37, 1000), (688, 4096), (300, 4104), (5504, 4096), (64, 11008), (21, 1001)]
 
 
 @pytest.mark.parametrize("norm", [False, True])
