@@ -10,6 +10,8 @@
 //   tokens) and gathered from there; the staging overlaps the first weight loads;
 // - nibble prefix sums inside a chunk use byte-parallel arithmetic (one multiply), and the warp scan
 //   of the chunk sums covers two steps at once (16-bit fields);
+// - the one-token kernel (decode) is written for the fewest instructions per entry: the kernel is
+//   bound by issue slots and shared-memory wavefronts, not by DRAM (docs/perf-notes.md, session 9);
 // - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
 #include <map>
 #include <mutex>
@@ -67,12 +69,23 @@ __device__ __forceinline__ ChunkNibbles chunk_nibbles(uint32_t nibbles) {
     return {odd - hi, odd};
 }
 
-__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v, int lane) {
-#pragma unroll
-    for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-        const uint32_t y = __shfl_up_sync(kFullMask, v, offset);
-        if (lane >= offset) v += y;
-    }
+// Inclusive warp scan; the shuffle's own in-range predicate guards each add (two instructions per
+// level instead of four).
+template <int OFFSET>
+__device__ __forceinline__ void scan_level(uint32_t& v) {
+    asm volatile("{\n .reg .pred in_range;\n .reg .u32 up;\n"
+                 " shfl.sync.up.b32 up|in_range, %0, %1, 0, -1;\n"
+                 " @in_range add.u32 %0, %0, up;\n}"
+                 : "+r"(v)
+                 : "n"(OFFSET));
+}
+
+__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v) {
+    scan_level<1>(v);
+    scan_level<2>(v);
+    scan_level<4>(v);
+    scan_level<8>(v);
+    scan_level<16>(v);
     return v;
 }
 
@@ -115,7 +128,7 @@ __device__ __forceinline__ void decode_group(Group<STEPS>& g, int a, int s, int 
         nib[k] = chunk_nibbles(bits);
         packed |= nib[k].total() << (16 * k);  // a step's sum is <= 32 * 120 < 2^16
     }
-    const uint32_t inclusive = warp_inclusive_scan(packed, lane);
+    const uint32_t inclusive = warp_inclusive_scan(packed);
     const uint32_t exclusive = inclusive - packed;
     const uint32_t total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
 #pragma unroll
@@ -210,12 +223,44 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
     return (j & 1) ? f.y : f.x;
 }
 
-// y[t, row] for TT tokens. X_IN_SMEM: x staged in shared memory (fp32 [cols] when TT == 1, else
-// [cols][TT] in T); otherwise gathered from global memory (TT == 1 only). PDL: launched as a
+// x (one token) -> shared memory as fp32. Vector loads are issued in batches before their first
+// use, so a block waits about one L2 round trip however long x is. Coherent loads: the previous
+// kernel may have written x (PDL).
+template <typename T>
+__device__ __forceinline__ void stage_x_fp32(const uint16_t* x, int cols, float* xs) {
+    if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_coherent_u16(x + i));
+        return;
+    }
+    constexpr int kBatch = 4;
+    const int vectors = cols / 8;
+    for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
+        uint4 v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = first + u * blockDim.x;
+            v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const int i = first + u * blockDim.x;
+            if (i >= vectors) break;
+            const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
+            const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
+            reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+            reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+        }
+    }
+}
+
+// y[t, row] for TT tokens. X_IN_SMEM: x staged in shared memory as [cols][TT] in T (TT >= 2; one
+// token with x in shared memory runs macko_spmv_one_token_kernel); otherwise gathered from global
+// memory (TT == 1 only). PDL: launched as a
 // programmatic dependent, so x is read only after griddepcontrol.wait and never with `.nc` loads.
 template <typename T, int TT, bool X_IN_SMEM, bool PDL>
 struct SpmvConsumer {
     static_assert(X_IN_SMEM || TT == 1, "the global-x path handles one token per pass");
+    static_assert(!X_IN_SMEM || TT >= 2, "one token with x in shared memory: macko_spmv_one_token_kernel");
     const uint16_t* x;  // this pass's first token
     T* __restrict__ out;      // this pass's first token
     void* smem;
@@ -229,11 +274,6 @@ struct SpmvConsumer {
         else return __ldg(x + i);
     }
 
-    // x is 16-byte aligned and a whole number of 8-element vectors.
-    __device__ __forceinline__ bool x_vectorized() const {
-        return cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-    }
-
     // Column `col` of the [cols][TT] tile: TT/2 words, word p = tokens 2p (low half) and 2p + 1.
     __device__ __forceinline__ void store_column(uint32_t* xs, int col, const uint32_t (&w)[TT / 2]) const {
         uint32_t* dst = xs + (int64_t)col * (TT / 2);
@@ -245,34 +285,6 @@ struct SpmvConsumer {
 #pragma unroll
             for (int q = 0; q < TT / 8; ++q)
                 reinterpret_cast<uint4*>(dst)[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
-        }
-    }
-
-    // x -> shared memory. Vector loads are issued in batches before their first use, so a block
-    // waits about one L2 round trip however long x is.
-    __device__ __forceinline__ void stage_one_token(float* xs) const {
-        if (!x_vectorized()) {
-            for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_x(i));
-            return;
-        }
-        constexpr int kBatch = 4;
-        const int vectors = cols / 8;
-        for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
-            uint4 v[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int i = first + u * blockDim.x;
-                v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int i = first + u * blockDim.x;
-                if (i >= vectors) break;
-                const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
-                const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
-                reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
-                reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
-            }
         }
     }
 
@@ -304,10 +316,7 @@ struct SpmvConsumer {
             wait_for_previous_kernel();
         }
         if constexpr (X_IN_SMEM) {
-            if constexpr (TT == 1)
-                stage_one_token(static_cast<float*>(smem));
-            else
-                stage_tokens(static_cast<uint32_t*>(smem));
+            stage_tokens(static_cast<uint32_t*>(smem));
             __syncthreads();
         }
     }
@@ -326,8 +335,6 @@ struct SpmvConsumer {
             const float w = value_at<T>(v, j);
             if constexpr (!X_IN_SMEM) {
                 acc[0] = fmaf(w, bits_to_float<T>(load_x(col)), acc[0]);
-            } else if constexpr (TT == 1) {
-                acc[0] = fmaf(w, static_cast<const float*>(smem)[col], acc[0]);
             } else {
                 const uint32_t* src = static_cast<const uint32_t*>(smem) + (int64_t)col * (TT / 2);
                 uint32_t xw[TT / 2];
@@ -388,6 +395,166 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __
         walk_rows<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
     else
         walk_rows_unpipelined<STEPS>(values, deltas, row_ptr, rows, first_row, gridDim.x * warps, lane, consumer);
+}
+
+// ---- One token, x in shared memory: the decode kernel ----
+// The same work split as walk_rows, with two register batches that alternate by name (no copies),
+// the row-start mask applied only where it can bite (lane 0 of a row's first step), predicated
+// shuffles in the scan, and each entry's x fetched with a byte permute, one address add and a
+// shared load with the entry's offset as its immediate.
+
+// Warp-uniform position of one group: row `row` spans entries [s, e); the group starts at entry a.
+struct GroupCursor {
+    int row, s, e, a;
+};
+
+// The groups of rows first, first + stride, ... in order; each row's bounds are read one row ahead.
+template <int STEPS>
+struct RowGroups {
+    const int* __restrict__ row_ptr;
+    int rows, stride;
+    int next_s = 0, next_e = 0;  // the bounds of the row after the current one
+
+    __device__ __forceinline__ void read_next(int row) {
+        if (row < rows) {
+            next_s = row_ptr[row];
+            next_e = row_ptr[row + 1];
+        }
+    }
+
+    __device__ __forceinline__ GroupCursor first(int row) {
+        GroupCursor c{row, 0, 0, 0};
+        if (row < rows) {
+            c.s = row_ptr[row];
+            c.e = row_ptr[row + 1];
+            c.a = c.s & ~(kChunk - 1);
+        }
+        read_next(row + stride);
+        return c;
+    }
+
+    __device__ __forceinline__ GroupCursor after(const GroupCursor& c) {
+        GroupCursor n{c.row, c.s, c.e, c.a + STEPS * kStep};
+        if (n.a >= c.e) {
+            n = GroupCursor{c.row + stride, next_s, next_e, next_s & ~(kChunk - 1)};
+            read_next(n.row + stride);
+        }
+        return n;
+    }
+};
+
+// Lanes whose chunk starts at or past the row's end load nothing and keep their old registers:
+// the decode never reads those entries.
+template <int STEPS>
+__device__ __forceinline__ void load_batch(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
+                                           const GroupCursor& c, int lane, Group<STEPS>& g) {
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const uint32_t chunk = ((uint32_t)c.a >> 3) + k * kWarpSize + lane;
+        if ((int)(chunk * kChunk) < c.e) {
+            g.values[k] = load_stream_16B(values + chunk);
+            g.nibbles[k] = load_stream_4B(deltas + chunk);
+        }
+    }
+}
+
+// acc += the chunk's entries [first, end) (all 8 unless CHECK) times x; xb is the shared-memory
+// address of x[base]. Per entry: a byte permute (its prefix), one address add, and a shared load
+// whose immediate carries the entry's offset j.
+template <typename T, bool CHECK>
+__device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& nib, uint32_t xb, int first, int end,
+                                          float2& acc) {
+    asm("mov.b32 %0, %0;" : "+r"(xb));  // keeps x[base]'s address whole: the compiler would re-add base per entry
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+        if (CHECK && (j < first || j >= end)) continue;
+        const uint32_t prefix = __byte_perm(j & 1 ? nib.odd : nib.even, 0, 0x4440 + (j >> 1));
+        float xj;
+        asm("ld.shared.f32 %0, [%1];" : "=f"(xj) : "r"(xb + 4 * prefix + 4 * j));
+        const float w = value_at<T>(v, j);
+        if (j & 1)
+            acc.y = fmaf(w, xj, acc.y);
+        else
+            acc.x = fmaf(w, xj, acc.x);
+    }
+}
+
+template <typename T, int STEPS>
+__device__ __forceinline__ void decode_batch(const Group<STEPS>& g, const GroupCursor& c, int lane, uint32_t xs,
+                                             int& carry, float2& acc) {
+    static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
+    const int lane_c0 = c.a + lane * kChunk;
+    ChunkNibbles nib[STEPS];
+    uint32_t packed = 0;
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        uint32_t bits = g.nibbles[k];
+        if (k == 0) {
+            const int before_row = c.s - lane_c0;  // <= 7; > 0 only on lane 0 of a row's first group
+            if (before_row > 0) bits &= kFullMask << (4 * before_row);
+        }
+        nib[k] = chunk_nibbles(bits);
+        packed |= nib[k].total() << (16 * k);
+    }
+    const uint32_t inclusive = warp_inclusive_scan(packed);
+    const uint32_t exclusive = inclusive - packed;
+    const uint32_t total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const int c0 = lane_c0 + k * kStep;
+        const int base = c0 - c.s + carry + (int)((exclusive >> (16 * k)) & 0xffffu);
+        carry += (int)((total >> (16 * k)) & 0xffffu);
+        if (c0 >= c.s && c0 + kChunk <= c.e)
+            chunk_dot<T, false>(g.values[k], nib[k], xs + 4 * base, 0, kChunk, acc);
+        else if (c0 < c.e)
+            chunk_dot<T, true>(g.values[k], nib[k], xs + 4 * base, c.s - c0, c.e - c0, acc);
+    }
+}
+
+// x staged in shared memory as fp32: out[t, row] (+)= W[row] . x[t], token t = blockIdx.y. Launched
+// as a PDL dependent: the first batch of weights is requested before griddepcontrol.wait.
+template <typename T, int STEPS>
+__global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
+                                                                           const uint32_t* __restrict__ deltas,
+                                                                           const int* __restrict__ row_ptr,
+                                                                           const uint16_t* x, T* __restrict__ out,
+                                                                           int rows, int cols, bool accumulate) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* xs = reinterpret_cast<float*>(smem);
+    const int warps = blockDim.x / kWarpSize;
+    const int lane = threadIdx.x % kWarpSize;
+    x += (int64_t)blockIdx.y * cols;  // one token per grid row
+    out += (int64_t)blockIdx.y * rows;
+    RowGroups<STEPS> groups{row_ptr, rows, (int)gridDim.x * warps};
+    GroupCursor ca = groups.first(blockIdx.x * warps + threadIdx.x / kWarpSize);
+    Group<STEPS> batch_a{}, batch_b{};
+    if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
+    allow_dependents_to_launch();
+    wait_for_previous_kernel();
+    stage_x_fp32<T>(x, cols, xs);
+    __syncthreads();
+    const uint32_t xs_addr = smem_addr(xs);
+
+    int carry = 0;
+    float2 acc = make_float2(0.f, 0.f);
+    const auto finish_group = [&](const GroupCursor& done, const GroupCursor& next) {
+        if (next.row == done.row) return;
+        const float sum = warp_sum(acc.x + acc.y);
+        if (lane == 0) out[done.row] = from_float<T>(sum + (accumulate ? to_float(out[done.row]) : 0.f));
+        acc = make_float2(0.f, 0.f);
+        carry = 0;
+    };
+    while (ca.row < rows) {
+        const GroupCursor cb = groups.after(ca);
+        if (cb.row < rows) load_batch(values, deltas, cb, lane, batch_b);
+        decode_batch<T>(batch_a, ca, lane, xs_addr, carry, acc);
+        finish_group(ca, cb);
+        if (cb.row >= rows) break;
+        ca = groups.after(cb);
+        if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
+        decode_batch<T>(batch_b, cb, lane, xs_addr, carry, acc);
+        finish_group(cb, ca);
+    }
 }
 
 // Dense rows. ROW_IN_SMEM: each warp assembles its row in shared memory (zeros, then the scattered
@@ -521,11 +688,22 @@ template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
                        int rows, int cols, int tokens, bool accumulate, int warps_per_block, cudaStream_t stream) {
     auto kernel = macko_spmv_kernel<T, TT, STEPS, X_IN_SMEM, PIPELINE>;
-    const int smem = !X_IN_SMEM ? 0 : TT == 1 ? cols * (int)sizeof(float) : cols * TT * (int)sizeof(T);
+    const int smem = X_IN_SMEM ? cols * TT * (int)sizeof(T) : 0;
     launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, ceil_div(tokens, TT)),
                     dim3(warps_per_block * kWarpSize), smem, stream, PIPELINE, static_cast<const uint4*>(values),
                     reinterpret_cast<const uint32_t*>(deltas), row_ptr, static_cast<const uint16_t*>(x),
                     static_cast<T*>(out), rows, cols, tokens, accumulate);
+}
+
+template <typename T, int STEPS>
+void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
+                           void* out, int rows, int cols, int tokens, bool accumulate, int warps_per_block,
+                           cudaStream_t stream) {
+    auto kernel = macko_spmv_one_token_kernel<T, STEPS>;
+    const int smem = cols * (int)sizeof(float);
+    launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, tokens), dim3(warps_per_block * kWarpSize),
+                    smem, stream, true, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
+                    row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
 }
 
 template <typename T, int STEPS>
@@ -535,8 +713,7 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
     const auto args =
         std::make_tuple(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps_per_block, stream);
     if (!x_in_smem) return std::apply(launch_spmv_typed<T, 1, STEPS, false>, args);
-    switch (tokens_per_pass) {
-        case 1: return std::apply(launch_spmv_typed<T, 1, STEPS, true>, args);
+    switch (tokens_per_pass) {  // >= 2: one token with x in shared memory runs launch_spmv_one_token
         case 2: return std::apply(launch_spmv_typed<T, 2, STEPS, true>, args);
         case 4: return std::apply(launch_spmv_typed<T, 4, STEPS, true>, args);
         case 8: return std::apply(launch_spmv_typed<T, 8, STEPS, true>, args);
@@ -565,6 +742,10 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
                                                         accumulate, warps, stream);
+    if (x_in_smem && per_pass == 1) {
+        auto one_token = steps == 1 ? launch_spmv_one_token<T, 1> : launch_spmv_one_token<T, 2>;
+        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps, stream);
+    }
     auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
     launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, per_pass, x_in_smem, warps, stream);
 }
