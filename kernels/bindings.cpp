@@ -204,15 +204,13 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 }
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
-                at::Tensor& out, const std::optional<at::Tensor>& norm_weight, double eps, bool gate_up_input, int64_t steps,
-                int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline, bool accumulate) {
+                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline,
+                bool accumulate) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
     MINFER_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.macko_spmv: expects x [T, K] and out [T, N]");
-    MINFER_CHECK(!gate_up_input || x.size(1) % 2 == 0,
-                 "minfer.macko_spmv: gate_up_input needs x = [gate; up] of even width");
-    const int64_t rows = row_ptr.numel() - 1, cols = gate_up_input ? x.size(1) / 2 : x.size(1), tokens = x.size(0);
+    const int64_t rows = row_ptr.numel() - 1, cols = x.size(1), tokens = x.size(0);
     MINFER_CHECK(out.size(0) == tokens && out.size(1) == rows, "minfer.macko_spmv: out must be [", tokens, ", ", rows, "]");
     MINFER_CHECK(cols <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
     MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
@@ -230,26 +228,9 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.warps_per_block = (int)warps_per_block;
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
-    minfer::MackoInput input;
-    if (norm_weight.has_value()) {
-        check_cuda_contiguous(*norm_weight, "norm_weight");
-        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == cols,
-                     "minfer.macko_spmv: norm_weight must be [", cols, "]");
-        MINFER_CHECK(norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(),
-                     "minfer.macko_spmv: norm_weight must have x's dtype and device");
-        MINFER_CHECK(eps >= 0.0, "minfer.macko_spmv: eps must be >= 0");
-        MINFER_CHECK(!gate_up_input, "minfer.macko_spmv: takes norm_weight or gate_up_input, not both");
-        input.norm_weight = norm_weight->data_ptr();
-        input.eps = (float)eps;
-    }
-    input.silu_mul = gate_up_input;
-    MINFER_CHECK((!norm_weight.has_value() && !gate_up_input) ||
-                     minfer::macko_spmv_applies_input(cols, tokens, dtype_of(values), tuning),
-                 "minfer.macko_spmv: norm_weight and gate_up_input need one token, x small enough for shared memory "
-                 "and the default schedule (apply rms_norm / silu_mul first otherwise)");
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, dtype_of(values), input,
-                              tuning, current_stream());
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, dtype_of(values), tuning,
+                              current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -438,7 +419,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, bool gate_up_input, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

@@ -14,27 +14,12 @@ struct MackoTuning {
     int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };
 
-// The sublayer step the one-token kernel applies to x while staging it (in fp32), instead of a
-// kernel of its own: RMSNorm with `norm_weight` ([cols], x's dtype), or silu(gate) * up when x is
-// a [gate; up] vector of 2 * cols values. At most one of the two.
-struct MackoInput {
-    const void* norm_weight = nullptr;
-    float eps = 0.f;
-    bool silu_mul = false;
-};
-
-// Whether a product of this size and tuning runs the one-token kernel, the only one that takes a
-// MackoInput step (one token, x small enough for shared memory as fp32, the pipelined schedule).
-bool macko_spmv_applies_input(int64_t cols, int64_t tokens, DType dtype, const MackoTuning& tuning);
-
-// out[t, r] = sum_c W[r, c] * x'[t, c] for t < tokens, x' = x after `input` (with `accumulate`,
-// out[t, r] += that: the residual add of a Llama sublayer, in place). x is [tokens, cols] ([1,
-// 2 * cols] with input.silu_mul), out is [tokens, rows], both contiguous, in the values' dtype.
-// values must be 16-byte aligned, deltas 4-byte aligned. A non-empty `input` requires
-// macko_spmv_applies_input.
+// out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
+// residual add of a Llama sublayer, in place). x is [tokens, cols], out is [tokens, rows], both
+// contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                        void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
-                       const MackoInput& input, const MackoTuning& tuning, cudaStream_t stream);
+                       const MackoTuning& tuning, cudaStream_t stream);
 
 // out = W as a dense, contiguous [rows, cols] matrix (every element written).
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,

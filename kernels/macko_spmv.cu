@@ -223,78 +223,34 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
     return (j & 1) ? f.y : f.x;
 }
 
+// x (one token) -> shared memory as fp32. Vector loads are issued in batches before their first
+// use, so a block waits about one L2 round trip however long x is. Coherent loads: the previous
+// kernel may have written x (PDL).
 template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-        const float2 pair = pair_to_float2<T>(word_of(v, p));
-        f[2 * p] = pair.x;
-        f[2 * p + 1] = pair.y;
+__device__ __forceinline__ void stage_x_fp32(const uint16_t* x, int cols, float* xs) {
+    if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_coherent_u16(x + i));
+        return;
     }
-}
-
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
-
-// The activation vector of one token -> shared memory as fp32, with the sublayer step before the
-// projection folded in (each block does it for itself, so no kernel runs in between):
-// kRmsNorm: x * norm_weight is staged, and the return value is this thread's share of sum(x^2):
-// the caller scales each row's dot product by rsqrt(mean(x^2) + eps), which needs no second pass
-// over x; kSiluMul: x holds [gate; up] (2 * cols values) and silu(gate) * up is staged. Vector
-// loads are issued in batches before their first use, so a block waits about one L2 round trip
-// however long x is. Coherent loads for x: the previous kernel may have written it (PDL).
-enum class InputOp { kNone, kRmsNorm, kSiluMul };
-
-template <typename T, InputOp OP>
-__device__ __forceinline__ float stage_x_fp32(const uint16_t* x, int cols, float* xs, const uint16_t* norm_weight) {
-    const bool vectorized = cols % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                            (OP != InputOp::kRmsNorm || reinterpret_cast<uintptr_t>(norm_weight) % 16 == 0);
-    float sum_squares = 0.f;
-    if (!vectorized) {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            float v = bits_to_float<T>(load_coherent_u16(x + i));
-            if constexpr (OP == InputOp::kSiluMul) v = silu(v) * bits_to_float<T>(load_coherent_u16(x + cols + i));
-            if constexpr (OP == InputOp::kRmsNorm) {
-                sum_squares = fmaf(v, v, sum_squares);
-                v *= bits_to_float<T>(__ldg(norm_weight + i));
-            }
-            xs[i] = v;
-        }
-        return sum_squares;
-    }
-    constexpr int kBatch = OP == InputOp::kNone ? 4 : 2;
-    constexpr int kParts = OP == InputOp::kNone ? 1 : 2;  // x, and up or norm_weight
+    constexpr int kBatch = 4;
     const int vectors = cols / 8;
     for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
-        uint4 v[kBatch][kParts];
+        uint4 v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
-            v[u][0] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
-            if constexpr (OP == InputOp::kSiluMul)
-                v[u][1] = i < vectors ? load_coherent_16B(x + cols + 8 * i) : make_uint4(0, 0, 0, 0);
-            if constexpr (OP == InputOp::kRmsNorm)
-                v[u][1] = i < vectors ? __ldg(reinterpret_cast<const uint4*>(norm_weight) + i) : make_uint4(0, 0, 0, 0);
+            v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
             if (i >= vectors) break;
-            float f[8], g[8];
-            unpack8<T>(v[u][0], f);
-            if constexpr (OP != InputOp::kNone) unpack8<T>(v[u][kParts - 1], g);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if constexpr (OP == InputOp::kSiluMul) f[j] = silu(f[j]) * g[j];
-                if constexpr (OP == InputOp::kRmsNorm) {
-                    sum_squares = fmaf(f[j], f[j], sum_squares);
-                    f[j] *= g[j];
-                }
-            }
-            reinterpret_cast<float4*>(xs)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-            reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+            const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
+            const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
+            reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+            reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
         }
     }
-    return sum_squares;
 }
 
 // y[t, row] for TT tokens. X_IN_SMEM: x staged in shared memory as [cols][TT] in T (TT >= 2; one
@@ -555,22 +511,19 @@ __device__ __forceinline__ void decode_batch(const Group<STEPS>& g, const GroupC
     }
 }
 
-// x staged in shared memory as fp32 (after OP, see stage_x_fp32): out[t, row] (+)= W[row] . x[t],
-// token t = blockIdx.y. Launched as a PDL dependent: the first batch of weights is requested before
-// griddepcontrol.wait.
-template <typename T, int STEPS, InputOp OP>
+// x staged in shared memory as fp32: out[t, row] (+)= W[row] . x[t], token t = blockIdx.y. Launched
+// as a PDL dependent: the first batch of weights is requested before griddepcontrol.wait.
+template <typename T, int STEPS>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
                                                                            const uint32_t* __restrict__ deltas,
                                                                            const int* __restrict__ row_ptr,
                                                                            const uint16_t* x, T* __restrict__ out,
-                                                                           int rows, int cols, bool accumulate,
-                                                                           const uint16_t* __restrict__ norm_weight,
-                                                                           float eps) {
+                                                                           int rows, int cols, bool accumulate) {
     extern __shared__ __align__(16) unsigned char smem[];
     float* xs = reinterpret_cast<float*>(smem);
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
-    x += (int64_t)blockIdx.y * cols * (OP == InputOp::kSiluMul ? 2 : 1);  // one token per grid row
+    x += (int64_t)blockIdx.y * cols;  // one token per grid row
     out += (int64_t)blockIdx.y * rows;
     RowGroups<STEPS> groups{row_ptr, rows, (int)gridDim.x * warps};
     GroupCursor ca = groups.first(blockIdx.x * warps + threadIdx.x / kWarpSize);
@@ -578,26 +531,15 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
     if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
     allow_dependents_to_launch();
     wait_for_previous_kernel();
-    const float sum_squares = stage_x_fp32<T, OP>(x, cols, xs, norm_weight);
-    __shared__ float warp_sum_squares[kMaxThreads / kWarpSize];
-    if constexpr (OP == InputOp::kRmsNorm) {
-        const float warp_total = warp_sum(sum_squares);
-        if (lane == 0) warp_sum_squares[threadIdx.x / kWarpSize] = warp_total;
-    }
+    stage_x_fp32<T>(x, cols, xs);
     __syncthreads();
-    float row_scale = 1.f;  // kRmsNorm: rsqrt(mean(x^2) + eps), applied to each row's dot product
-    if constexpr (OP == InputOp::kRmsNorm) {
-        float total = 0.f;
-        for (int w = 0; w < warps; ++w) total += warp_sum_squares[w];
-        row_scale = rsqrtf(total / cols + eps);
-    }
     const uint32_t xs_addr = smem_addr(xs);
 
     int carry = 0;
     float2 acc = make_float2(0.f, 0.f);
     const auto finish_group = [&](const GroupCursor& done, const GroupCursor& next) {
         if (next.row == done.row) return;
-        const float sum = warp_sum(acc.x + acc.y) * row_scale;
+        const float sum = warp_sum(acc.x + acc.y);
         if (lane == 0) out[done.row] = from_float<T>(sum + (accumulate ? to_float(out[done.row]) : 0.f));
         acc = make_float2(0.f, 0.f);
         carry = 0;
@@ -753,24 +695,15 @@ void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t*
                     static_cast<T*>(out), rows, cols, tokens, accumulate);
 }
 
-template <typename T, int STEPS, InputOp OP>
+template <typename T, int STEPS>
 void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                           void* out, int rows, int cols, int tokens, bool accumulate, const void* norm_weight,
-                           float eps, int warps_per_block, cudaStream_t stream) {
-    auto kernel = macko_spmv_one_token_kernel<T, STEPS, OP>;
+                           void* out, int rows, int cols, int tokens, bool accumulate, int warps_per_block,
+                           cudaStream_t stream) {
+    auto kernel = macko_spmv_one_token_kernel<T, STEPS>;
     const int smem = cols * (int)sizeof(float);
     launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, tokens), dim3(warps_per_block * kWarpSize),
                     smem, stream, true, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
-                    row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate,
-                    static_cast<const uint16_t*>(norm_weight), eps);
-}
-
-template <typename T, InputOp OP>
-void launch_spmv_one_token_steps(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                                 void* out, int rows, int cols, int tokens, bool accumulate, const void* norm_weight,
-                                 float eps, int steps, int warps_per_block, cudaStream_t stream) {
-    auto launch = steps == 1 ? launch_spmv_one_token<T, 1, OP> : launch_spmv_one_token<T, 2, OP>;
-    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, norm_weight, eps, warps_per_block, stream);
+                    row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
 }
 
 template <typename T, int STEPS>
@@ -788,73 +721,49 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
     }
 }
 
-// Which kernel a product runs, and how.
-struct SpmvPlan {
-    int per_pass;    // tokens per pass over the weights
-    bool x_in_smem;
-    bool one_token;  // macko_spmv_one_token_kernel (which also applies a MackoInput step)
-    int steps, warps;
-};
-
-SpmvPlan plan_spmv(int cols, int tokens, int element_bytes, const MackoTuning& tuning) {
-    const int smem_optin = device_limits().smem_optin;
-    SpmvPlan plan{};
-    // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
-    // are read once; one token per pass with fp32 x otherwise.
-    plan.per_pass = 1;
-    while (plan.per_pass < tokens && plan.per_pass < 16) plan.per_pass *= 2;
-    while (plan.per_pass > 1 && (int64_t)cols * plan.per_pass * element_bytes > smem_optin) plan.per_pass /= 2;
-    plan.x_in_smem = tuning.x_in_smem != 0 &&
-                     (plan.per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
-    if (!plan.x_in_smem) plan.per_pass = 1;  // the global-x path takes one token per pass
-    plan.one_token = tuning.pipeline != 0 && plan.x_in_smem && plan.per_pass == 1;
-    plan.steps = tuning.pipeline == 0 ? 1 : tuning.steps > 0 ? tuning.steps : kDefaultSteps;
-    // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
-    plan.warps = tuning.warps_per_block > 0 ? tuning.warps_per_block
-                 : plan.per_pass > 1        ? kMaxThreads / kWarpSize
-                                            : kDefaultWarpsPerBlock;
-    return plan;
-}
-
 template <typename T>
 void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, bool accumulate, const MackoInput& input,
-                       const MackoTuning& tuning, cudaStream_t stream) {
-    const SpmvPlan plan = plan_spmv(cols, tokens, (int)sizeof(T), tuning);
+                       int rows, int cols, int tokens, bool accumulate, const MackoTuning& tuning,
+                       cudaStream_t stream) {
+    const int smem_optin = device_limits().smem_optin;
+    // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
+    // are read once; one token per pass with fp32 x otherwise.
+    int per_pass = 1;
+    while (per_pass < tokens && per_pass < 16) per_pass *= 2;
+    while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
+    const bool x_in_smem =
+        tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
+    if (!x_in_smem) per_pass = 1;  // the global-x path takes one token per pass
+    const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
+    // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
+    const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block
+                      : per_pass > 1             ? kMaxThreads / kWarpSize
+                                                 : kDefaultWarpsPerBlock;
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
-                                                        accumulate, plan.warps, stream);
-    if (plan.one_token) {
-        auto one_token = input.norm_weight != nullptr ? launch_spmv_one_token_steps<T, InputOp::kRmsNorm>
-                         : input.silu_mul             ? launch_spmv_one_token_steps<T, InputOp::kSiluMul>
-                                                      : launch_spmv_one_token_steps<T, InputOp::kNone>;
-        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, input.norm_weight, input.eps,
-                         plan.steps, plan.warps, stream);
+                                                        accumulate, warps, stream);
+    if (x_in_smem && per_pass == 1) {
+        auto one_token = steps == 1 ? launch_spmv_one_token<T, 1> : launch_spmv_one_token<T, 2>;
+        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps, stream);
     }
-    auto launch = plan.steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
-    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, plan.per_pass, plan.x_in_smem, plan.warps,
-           stream);
+    auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
+    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, per_pass, x_in_smem, warps, stream);
 }
 
 }  // namespace
 
-bool macko_spmv_applies_input(int64_t cols, int64_t tokens, DType dtype, const MackoTuning& tuning) {
-    return tokens == 1 && cols <= INT32_MAX && dtype != DType::kFloat32 &&
-           plan_spmv((int)cols, 1, 2, tuning).one_token;
-}
-
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                        void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
-                       const MackoInput& input, const MackoTuning& tuning, cudaStream_t stream) {
+                       const MackoTuning& tuning, cudaStream_t stream) {
     if (rows == 0 || tokens == 0) return;
     switch (dtype) {
         case DType::kFloat16:
             launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, accumulate,
-                                    input, tuning, stream);
+                                    tuning, stream);
             break;
         case DType::kBFloat16:
             launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
-                                             accumulate, input, tuning, stream);
+                                             accumulate, tuning, stream);
             break;
         case DType::kFloat32: break;  // rejected by the binding
     }

@@ -115,14 +115,13 @@ class Linear(nn.Module):
         self.fmt = fmt
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
-                silu_mul: bool = False, gate_up_input: bool = False) -> torch.Tensor:
-        """self(norm(x)), or self(silu(gate) * up) of x = [gate; up] with `gate_up_input`; with
-        `silu_mul` (a [gate; up] matrix) silu(gate) * up of the result; added into `residual` in place
-        when given (WeightFormat.project: decode kernels fuse these steps)."""
-        if norm is None and residual is None and not silu_mul and not gate_up_input:
+                silu_mul: bool = False) -> torch.Tensor:
+        """self(norm(x)); with `silu_mul` (a [gate; up] matrix) silu(gate) * up of it; added into
+        `residual` in place when given (WeightFormat.project: decode kernels fuse these steps)."""
+        if norm is None and residual is None and not silu_mul:
             return self.fmt(x)
         return self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
-                                silu_mul, gate_up_input)
+                                silu_mul)
 
 
 class Embedding(nn.Module):
@@ -176,13 +175,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, residual: torch.Tensor, norm: RMSNorm) -> None:
-        """residual += down_proj(silu(gate) * up) of gate_up_proj(norm(residual)), in place. The
-        activation runs where a kernel fuses it: in down_proj's input when its format can, else in
-        gate_up_proj's output."""
-        if self.down_proj.fmt.fuses_gate_up_input:
-            self.down_proj(self.gate_up_proj(residual, norm=norm), residual=residual, gate_up_input=True)
-        else:
-            self.down_proj(self.gate_up_proj(residual, norm=norm, silu_mul=True), residual=residual)
+        """residual += down_proj(silu(gate) * up) of gate_up_proj(norm(residual)), in place."""
+        self.down_proj(self.gate_up_proj(residual, norm=norm, silu_mul=True), residual=residual)
 
 
 class Block(nn.Module):

@@ -369,8 +369,7 @@ def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: to
 
 
 @fake_impl("minfer::macko_spmv")
-def _macko_spmv_fake(values, deltas, row_ptr, x, out, norm_weight, eps, gate_up_input, steps, warps_per_block, x_in_smem,
-                     pipeline, accumulate):
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline, accumulate):
     return None
 
 
@@ -379,21 +378,11 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
     return None
 
 
-# Widest x the one-token kernel takes its norm or gate_up_input for: 64 KB of fp32 x fits the shared
-# memory of every sm_80+ GPU (the binding checks the device it runs on).
-MACKO_INPUT_STEP_MAX_COLS = 16384
-
-
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
-               out: torch.Tensor | None = None, *, accumulate: bool = False, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, gate_up_input: bool = False, steps: int = 0, warps_per_block: int = 0,
+               out: torch.Tensor | None = None, *, accumulate: bool = False, steps: int = 0, warps_per_block: int = 0,
                x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
-    """out [T, N] = x' [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
-    `accumulate`, out += x' @ W.T in place (the residual add of a Llama sublayer). x' is x, or
-    rms_norm(x, norm_weight, eps), or with `gate_up_input` silu(gate) * up of x = [gate; up] ([T, 2K],
-    the MLP's gate_up output).
-    For one token the kernel applies that step while it stages x (no kernel in between); otherwise
-    rms_norm / silu_mul run first.
+    """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
+    `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
     passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
@@ -404,22 +393,11 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     """
     if accumulate and out is None:
         raise FormatError("macko_spmv(accumulate=True) adds into `out`: pass the tensor to add into")
-    if norm_weight is not None and gate_up_input:
-        raise FormatError("macko_spmv takes norm_weight or gate_up_input, not both")
-    cols = x.shape[-1] // 2 if gate_up_input else x.shape[-1]
-    fused = (use_kernels(x) and x.shape[0] == 1 and cols <= MACKO_INPUT_STEP_MAX_COLS and x_in_smem != 0
-             and pipeline != 0)
-    if not fused:
-        if norm_weight is not None:
-            x = rms_norm(x, norm_weight, eps)
-        elif gate_up_input:
-            x = silu_mul(x)
-        norm_weight, gate_up_input = None, False
     if out is None:
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
     if use_kernels(x):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, norm_weight, eps, gate_up_input, steps,
-                                    warps_per_block, x_in_smem, pipeline, accumulate)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline,
+                                    accumulate)
     else:
         out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None))
     return out

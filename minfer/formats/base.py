@@ -42,22 +42,14 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x[..., K] -> [..., N]."""
 
-    # True when project(gate_up_input=True) applies silu(gate) * up inside the decode kernel: the MLP
-    # then hands this format the gate_up projection's raw [gate; up] output.
-    fuses_gate_up_input = False
-
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False,
-                gate_up_input: bool = False) -> torch.Tensor:
-        """The step a Llama sublayer takes around a projection: forward(RMSNorm(x)) with `norm_weight`,
-        or forward(silu(gate) * up) of x = [gate; up] with `gate_up_input`; with `silu_mul` (the MLP's
-        [gate; up] matrix) silu(gate) * up of the result; added into `residual` in place (and returned)
-        when one is given. This version runs the norm, the activation and the add as ops of their
-        own; a format whose decode kernel fuses them overrides it."""
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """The step a Llama sublayer takes around a projection: forward(RMSNorm(x)) with `norm_weight`;
+        with `silu_mul` (the MLP's [gate; up] matrix) silu(gate) * up of that; added into `residual` in
+        place (and returned) when one is given. This version runs the norm, the activation and the add
+        as ops of their own; a format whose decode kernel fuses them overrides it."""
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, eps)
-        if gate_up_input:
-            x = ops.silu_mul(x)
         y = self(x)
         if silu_mul:
             y = ops.silu_mul(y)

@@ -41,12 +41,9 @@ class DenseWeight(WeightFormat):
         return F.linear(x, self.weight)
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False,
-                gate_up_input: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         """Decode runs the norm, the MLP activation and the residual add inside the GEMV (no kernels
-        of their own); the MLP activation belongs in the gate_up GEMV, so `gate_up_input` runs as an op."""
-        if gate_up_input:
-            x = ops.silu_mul(x)
+        of their own)."""
         tokens = x.numel() // max(x.shape[-1], 1)
         fused = self._runs_kernels(x) and 1 <= tokens <= ops.GEMV_MAX_TOKENS and not (silu_mul and residual is not None)
         if fused:

@@ -154,28 +154,21 @@ class MackoWeight(WeightFormat):
             out = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat)
         return out.view(*x.shape[:-1], self.out_features)
 
-    fuses_gate_up_input = True
-
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False,
-                gate_up_input: bool = False) -> torch.Tensor:
-        """Decode runs the norm (or the MLP activation of a [gate; up] input) while the SpMV stages x,
-        and adds into the residual stream inside the SpMV; silu_mul of the output runs as an op."""
-        width = self.in_features * (2 if gate_up_input else 1)
-        flat = x.reshape(-1, width)
-        tokens = flat.shape[0]
-        if not (ops.use_kernels(x) and self.values.dtype != torch.float32 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS):
-            return super().project(x, norm_weight, eps, residual, silu_mul, gate_up_input)
-        add_into = residual is not None and residual.is_contiguous() and not silu_mul
-        y = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat.contiguous(),
-                           out=residual.view(tokens, self.out_features) if add_into else None, accumulate=add_into,
-                           norm_weight=norm_weight, eps=eps, gate_up_input=gate_up_input)
-        if add_into:
-            return residual
-        y = y.view(*x.shape[:-1], self.out_features)
-        if silu_mul:
-            y = ops.silu_mul(y)
-        return y if residual is None else residual.add_(y)
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """Decode adds into the residual stream inside the SpMV kernel; the norm and the MLP activation
+        run as kernels of their own."""
+        tokens = x.numel() // max(self.in_features, 1)
+        fused_add = (residual is not None and residual.is_contiguous() and ops.use_kernels(x)
+                     and self.values.dtype != torch.float32 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS)
+        if norm_weight is not None:
+            x = ops.rms_norm(x, norm_weight, eps)
+        if not fused_add:
+            return super().project(x, residual=residual, silu_mul=silu_mul)
+        flat = x.reshape(-1, self.in_features).contiguous()
+        ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, out=residual.view(tokens, self.out_features),
+                       accumulate=True)
+        return residual
 
     # --- what the reports show -------------------------------------------------------------
 
