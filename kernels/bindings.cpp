@@ -220,9 +220,6 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No,
                  "minfer.macko_spmv: out must not overlap x (other blocks still read x while one writes out)");
     MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
-    MINFER_CHECK(x_in_smem == -1 || x_in_smem == 0 || x_in_smem == 1 || x_in_smem == 2 || x_in_smem == 4,
-                 "minfer.macko_spmv: x_in_smem must be -1 (auto), 0 (x from global) or 1, 2, 4 (copies in shared "
-                 "memory)");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
     const c10::cuda::CUDAGuard guard(values.device());

@@ -10,9 +10,7 @@ namespace minfer {
 struct MackoTuning {
     int steps = 0;            // 256-entry warp steps loaded per pipeline stage: 1 or 2
     int warps_per_block = 0;  // 4, 8 or 16 warps, one row per warp at a time
-    int x_in_smem = -1;       // -1 (default): stage x in shared memory when it fits, for one token in as many
-                              // fp32 copies (1, 2 or 4) as fit twice per SM; 1, 2, 4: stage it, one token
-                              // with that many copies (SpMM: one); 0: gather x from global
+    int x_in_smem = -1;       // 1 (and the default): stage x in shared memory when it fits; 0: gather x from global
     int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };
 

@@ -42,21 +42,6 @@ __device__ __forceinline__ uint32_t load_coherent_u16(const uint16_t* ptr) {
     return r;
 }
 
-// 2, 4 or 8 bytes (1, 2 or 4 16-bit values) as one coherent load; the words come back low first.
-template <int N>
-__device__ __forceinline__ uint2 load_coherent_halves(const uint16_t* ptr) {
-    static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 halves");
-    uint2 r = make_uint2(0, 0);
-    if constexpr (N == 1) {
-        r.x = load_coherent_u16(ptr);
-    } else if constexpr (N == 2) {
-        asm volatile("ld.global.u32 %0, [%1];" : "=r"(r.x) : "l"(ptr) : "memory");
-    } else {
-        asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(ptr) : "memory");
-    }
-    return r;
-}
-
 template <typename T> __device__ __forceinline__ float bits_to_float(uint32_t bits);
 template <> __device__ __forceinline__ float bits_to_float<half>(uint32_t bits) {
     return __half2float(__ushort_as_half((unsigned short)bits));
@@ -238,38 +223,32 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
     return (j & 1) ? f.y : f.x;
 }
 
-// x (one token) -> shared memory as fp32, each element COPIES times side by side (xs[COPIES * i + r]).
-// Thread t writes float4 t of each batch, so a warp's stores are contiguous (no bank conflicts), and
-// it loads the 4 / COPIES elements that float4 holds. The loads are issued in batches before their
-// first use, so a block waits about one L2 round trip however long x is. Coherent loads: the
-// previous kernel may have written x (PDL).
-template <typename T, int COPIES>
+// x (one token) -> shared memory as fp32. Vector loads are issued in batches before their first
+// use, so a block waits about one L2 round trip however long x is. Coherent loads: the previous
+// kernel may have written x (PDL).
+template <typename T>
 __device__ __forceinline__ void stage_x_fp32(const uint16_t* x, int cols, float* xs) {
-    constexpr int kElems = 4 / COPIES;  // x elements per staged float4
-    if (cols % kElems != 0 || reinterpret_cast<uintptr_t>(x) % (2 * kElems) != 0) {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            const float v = bits_to_float<T>(load_coherent_u16(x + i));
-#pragma unroll
-            for (int r = 0; r < COPIES; ++r) xs[COPIES * i + r] = v;
-        }
+    if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_coherent_u16(x + i));
         return;
     }
-    constexpr int kBatch = 8;
-    const int outputs = cols / kElems;
-    for (int first = threadIdx.x; first < outputs; first += kBatch * blockDim.x) {
-        uint2 bits[kBatch];
+    constexpr int kBatch = 4;
+    const int vectors = cols / 8;
+    for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
+        uint4 v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
-            bits[u] = i < outputs ? load_coherent_halves<kElems>(x + kElems * i) : make_uint2(0, 0);
+            v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
-            if (i >= outputs) break;
-            const float2 lo = pair_to_float2<T>(bits[u].x), hi = pair_to_float2<T>(bits[u].y);
-            const float e[4] = {lo.x, lo.y, hi.x, hi.y};
-            reinterpret_cast<float4*>(xs)[i] = make_float4(e[0 / COPIES], e[1 / COPIES], e[2 / COPIES], e[3 / COPIES]);
+            if (i >= vectors) break;
+            const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
+            const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
+            reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
+            reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
         }
     }
 }
@@ -480,10 +459,9 @@ __device__ __forceinline__ void load_batch(const uint4* __restrict__ values, con
 }
 
 // acc += the chunk's entries [first, end) (all 8 unless CHECK) times x; xb is the shared-memory
-// address of this lane's copy of x[base], copies COPIES floats apart. Per entry: a byte permute (its
-// prefix), one shift-add for the address, a shared load whose immediate carries the entry's offset
-// j, a conversion and an FMA.
-template <typename T, int COPIES, bool CHECK>
+// address of x[base]. Per entry: a byte permute (its prefix), one address add, and a shared load
+// whose immediate carries the entry's offset j.
+template <typename T, bool CHECK>
 __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& nib, uint32_t xb, int first, int end,
                                           float2& acc) {
     asm("mov.b32 %0, %0;" : "+r"(xb));  // keeps x[base]'s address whole: the compiler would re-add base per entry
@@ -492,7 +470,7 @@ __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& ni
         if (CHECK && (j < first || j >= end)) continue;
         const uint32_t prefix = __byte_perm(j & 1 ? nib.odd : nib.even, 0, 0x4440 + (j >> 1));
         float xj;
-        asm("ld.shared.f32 %0, [%1];" : "=f"(xj) : "r"(xb + 4 * COPIES * (prefix + j)));
+        asm("ld.shared.f32 %0, [%1];" : "=f"(xj) : "r"(xb + 4 * prefix + 4 * j));
         const float w = value_at<T>(v, j);
         if (j & 1)
             acc.y = fmaf(w, xj, acc.y);
@@ -501,8 +479,7 @@ __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& ni
     }
 }
 
-// xs: the shared-memory address of this lane's copy of x[0].
-template <typename T, int STEPS, int COPIES>
+template <typename T, int STEPS>
 __device__ __forceinline__ void decode_batch(const Group<STEPS>& g, const GroupCursor& c, int lane, uint32_t xs,
                                              int& carry, float2& acc) {
     static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
@@ -528,19 +505,15 @@ __device__ __forceinline__ void decode_batch(const Group<STEPS>& g, const GroupC
         const int base = c0 - c.s + carry + (int)((exclusive >> (16 * k)) & 0xffffu);
         carry += (int)((total >> (16 * k)) & 0xffffu);
         if (c0 >= c.s && c0 + kChunk <= c.e)
-            chunk_dot<T, COPIES, false>(g.values[k], nib[k], xs + 4 * COPIES * base, 0, kChunk, acc);
+            chunk_dot<T, false>(g.values[k], nib[k], xs + 4 * base, 0, kChunk, acc);
         else if (c0 < c.e)
-            chunk_dot<T, COPIES, true>(g.values[k], nib[k], xs + 4 * COPIES * base, c.s - c0, c.e - c0, acc);
+            chunk_dot<T, true>(g.values[k], nib[k], xs + 4 * base, c.s - c0, c.e - c0, acc);
     }
 }
 
 // x staged in shared memory as fp32: out[t, row] (+)= W[row] . x[t], token t = blockIdx.y. Launched
 // as a PDL dependent: the first batch of weights is requested before griddepcontrol.wait.
-// COPIES > 1 stores each x element that many times side by side, and lane l reads copy l % COPIES:
-// two lanes then compete for a bank only within their class, so a gather's 32 scattered columns
-// meet 32 / COPIES lanes per bank class instead of 32 (fewer shared-memory wavefronts: the kernel
-// is bound by the L1 / shared-memory pipe, docs/perf-notes.md, session 9).
-template <typename T, int STEPS, int COPIES>
+template <typename T, int STEPS>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
                                                                            const uint32_t* __restrict__ deltas,
                                                                            const int* __restrict__ row_ptr,
@@ -558,9 +531,9 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
     if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
     allow_dependents_to_launch();
     wait_for_previous_kernel();
-    stage_x_fp32<T, COPIES>(x, cols, xs);
+    stage_x_fp32<T>(x, cols, xs);
     __syncthreads();
-    const uint32_t xs_addr = smem_addr(xs) + 4 * (lane % COPIES);
+    const uint32_t xs_addr = smem_addr(xs);
 
     int carry = 0;
     float2 acc = make_float2(0.f, 0.f);
@@ -574,12 +547,12 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
     while (ca.row < rows) {
         const GroupCursor cb = groups.after(ca);
         if (cb.row < rows) load_batch(values, deltas, cb, lane, batch_b);
-        decode_batch<T, STEPS, COPIES>(batch_a, ca, lane, xs_addr, carry, acc);
+        decode_batch<T>(batch_a, ca, lane, xs_addr, carry, acc);
         finish_group(ca, cb);
         if (cb.row >= rows) break;
         ca = groups.after(cb);
         if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
-        decode_batch<T, STEPS, COPIES>(batch_b, cb, lane, xs_addr, carry, acc);
+        decode_batch<T>(batch_b, cb, lane, xs_addr, carry, acc);
         finish_group(cb, ca);
     }
 }
@@ -660,8 +633,6 @@ __global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uin
 constexpr int kDefaultSteps = 2;
 constexpr int kDefaultWarpsPerBlock = 16;
 constexpr int kDecompressWarpsPerBlock = 8;
-constexpr int kMaxCopies = 4;
-constexpr int64_t kCopiesBudgetBytes = 200 * 1024;  // the x copies of the two blocks an SM holds
 
 struct DeviceLimits {
     int sm_count;
@@ -724,23 +695,15 @@ void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t*
                     static_cast<T*>(out), rows, cols, tokens, accumulate);
 }
 
-template <typename T, int STEPS, int COPIES>
+template <typename T, int STEPS>
 void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                            void* out, int rows, int cols, int tokens, bool accumulate, int warps_per_block,
                            cudaStream_t stream) {
-    auto kernel = macko_spmv_one_token_kernel<T, STEPS, COPIES>;
-    const int smem = COPIES * cols * (int)sizeof(float);
+    auto kernel = macko_spmv_one_token_kernel<T, STEPS>;
+    const int smem = cols * (int)sizeof(float);
     launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, tokens), dim3(warps_per_block * kWarpSize),
                     smem, stream, true, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
                     row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
-}
-
-template <typename T, int COPIES>
-void launch_spmv_one_token_steps(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                                 void* out, int rows, int cols, int tokens, bool accumulate, int steps,
-                                 int warps_per_block, cudaStream_t stream) {
-    auto launch = steps == 1 ? launch_spmv_one_token<T, 1, COPIES> : launch_spmv_one_token<T, 2, COPIES>;
-    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps_per_block, stream);
 }
 
 template <typename T, int STEPS>
@@ -768,15 +731,9 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     int per_pass = 1;
     while (per_pass < tokens && per_pass < 16) per_pass *= 2;
     while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
-    const int64_t x_fp32_bytes = (int64_t)cols * (int64_t)sizeof(float);
-    const bool x_in_smem = tuning.x_in_smem != 0 && (per_pass > 1 || x_fp32_bytes <= smem_optin);
+    const bool x_in_smem =
+        tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
     if (!x_in_smem) per_pass = 1;  // the global-x path takes one token per pass
-    // Copies of x for the one-token kernel: as asked, else as many as keep two blocks' copies within
-    // kCopiesBudgetBytes (two resident blocks of 16 warps); never more than one block may hold.
-    int copies = tuning.x_in_smem > 0 ? tuning.x_in_smem : 1;
-    if (tuning.x_in_smem < 0)
-        while (copies < kMaxCopies && 2 * (2 * copies) * x_fp32_bytes <= kCopiesBudgetBytes) copies *= 2;
-    while (copies > 1 && copies * x_fp32_bytes > smem_optin) copies /= 2;
     const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
     // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
     const int warps = tuning.warps_per_block > 0 ? tuning.warps_per_block
@@ -786,10 +743,8 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
                                                         accumulate, warps, stream);
     if (x_in_smem && per_pass == 1) {
-        auto one_token = copies == 4   ? launch_spmv_one_token_steps<T, 4>
-                         : copies == 2 ? launch_spmv_one_token_steps<T, 2>
-                                       : launch_spmv_one_token_steps<T, 1>;
-        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, steps, warps, stream);
+        auto one_token = steps == 1 ? launch_spmv_one_token<T, 1> : launch_spmv_one_token<T, 2>;
+        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps, stream);
     }
     auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
     launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, per_pass, x_in_smem, warps, stream);

@@ -385,8 +385,7 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
-    passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` (0: x from
-    global memory; 1, 2, 4: staged in shared memory, for one token in that many copies) are launch
+    passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
     knobs for benchmarks, the defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs
     the reference kernel's schedule (one step loaded then decoded, x gathered from global memory).
     The op's schema has no defaults (a defaulted argument segfaulted another op on the device), so

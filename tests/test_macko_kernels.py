@@ -11,7 +11,7 @@ pytestmark = requires_cuda
 
 DENSITIES = [0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
 TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1)
-           for s in (1, 2) for w in (4, 8, 16) for m in (0, 1, 2, 4)]
+           for s in (1, 2) for w in (4, 8, 16) for m in (0, 1)]
 TUNINGS.append(dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0))  # the reference kernel's schedule
 
 
@@ -84,16 +84,6 @@ def test_every_launch_configuration(tuning):
     for tokens in (1, 6):
         out, x = run_spmv(matrix, tokens, **tuning)
         assert relative_error(out, matrix, x) < 2e-3
-
-
-# cols: whole float4s for every copy count, a width only one copy stages with vector loads, odd
-@pytest.mark.parametrize("copies", [1, 2, 4])
-@pytest.mark.parametrize("cols", [4096, 1002, 999])
-def test_one_token_kernel_with_copies_of_x(copies, cols):
-    matrix = sparse_matrix(150, cols, 0.5, seed=cols + copies)
-    for dtype in (torch.float16, torch.bfloat16):
-        out, x = run_spmv(matrix.to(dtype), 1, x_in_smem=copies)
-        assert relative_error(out, matrix.to(dtype), x) < 2e-3
 
 
 def test_long_rows_many_groups():
@@ -215,11 +205,3 @@ def test_binding_rejects_misaligned_values():
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
         torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, 1, False)
-
-
-@pytest.mark.parametrize("steps, x_in_smem", [(3, -1), (2, 3), (2, -2)])
-def test_binding_rejects_unknown_knobs(steps, x_in_smem):
-    values, deltas, row_ptr, x = small_macko()
-    out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
-    with pytest.raises(RuntimeError, match="steps must be|x_in_smem must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, 0, x_in_smem, 1, False)
