@@ -128,9 +128,8 @@ __device__ __forceinline__ void decode_group(Group<STEPS>& g, int a, int s, int 
         nib[k] = chunk_nibbles(bits);
         packed |= nib[k].total() << (16 * k);  // a step's sum is <= 32 * 120 < 2^16
     }
-    const uint32_t inclusive = warp_inclusive_scan(packed);
-    const uint32_t exclusive = inclusive - packed;
-    const uint32_t total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+    const uint32_t total = __reduce_add_sync(kFullMask, packed);  // beside the scan, not after it
+    const uint32_t exclusive = warp_inclusive_scan(packed) - packed;
 #pragma unroll
     for (int k = 0; k < STEPS; ++k) {
         const int c0 = a + k * kStep + lane * kChunk;
@@ -496,9 +495,10 @@ __device__ __forceinline__ void decode_batch(const Group<STEPS>& g, const GroupC
         nib[k] = chunk_nibbles(bits);
         packed |= nib[k].total() << (16 * k);
     }
-    const uint32_t inclusive = warp_inclusive_scan(packed);
-    const uint32_t exclusive = inclusive - packed;
-    const uint32_t total = __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+    // The warp total comes from a reduction that runs beside the scan, not after it: the scan's
+    // serial shuffles are where this kernel stalls most (ncu source counters, session 9).
+    const uint32_t total = __reduce_add_sync(kFullMask, packed);  // 16-bit fields: no carries
+    const uint32_t exclusive = warp_inclusive_scan(packed) - packed;
 #pragma unroll
     for (int k = 0; k < STEPS; ++k) {
         const int c0 = lane_c0 + k * kStep;
