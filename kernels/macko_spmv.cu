@@ -96,36 +96,77 @@ struct Group {
     uint32_t nibbles[STEPS];
 };
 
-// Loads the STEPS warp steps starting at entry `a` (8-aligned); lanes past the row's end load nothing.
+// Warp-uniform position of one group: row `row` spans entries [s, e); the group starts at entry a.
+struct GroupCursor {
+    int row, s, e, a;
+};
+
+// The groups of rows first, first + stride, ... in order; each row's bounds are read one row ahead.
 template <int STEPS>
-__device__ __forceinline__ void load_group(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
-                                           int a, int e, int lane, Group<STEPS>& g) {
+struct RowGroups {
+    const int* __restrict__ row_ptr;
+    int rows, stride;
+    int next_s = 0, next_e = 0;  // the bounds of the row after the current one
+
+    __device__ __forceinline__ void read_next(int row) {
+        if (row < rows) {
+            next_s = row_ptr[row];
+            next_e = row_ptr[row + 1];
+        }
+    }
+
+    __device__ __forceinline__ GroupCursor first(int row) {
+        GroupCursor c{row, 0, 0, 0};
+        if (row < rows) {
+            c.s = row_ptr[row];
+            c.e = row_ptr[row + 1];
+            c.a = c.s & ~(kChunk - 1);
+        }
+        read_next(row + stride);
+        return c;
+    }
+
+    __device__ __forceinline__ GroupCursor after(const GroupCursor& c) {
+        GroupCursor n{c.row, c.s, c.e, c.a + STEPS * kStep};
+        if (n.a >= c.e) {
+            n = GroupCursor{c.row + stride, next_s, next_e, next_s & ~(kChunk - 1)};
+            read_next(n.row + stride);
+        }
+        return n;
+    }
+};
+
+// Lanes whose chunk starts at or past the row's end load nothing and keep their old registers:
+// the decode never reads those entries.
+template <int STEPS>
+__device__ __forceinline__ void load_batch(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
+                                           const GroupCursor& c, int lane, Group<STEPS>& g) {
 #pragma unroll
     for (int k = 0; k < STEPS; ++k) {
-        const int c0 = a + k * kStep + lane * kChunk;
-        if (c0 < e) {
-            g.values[k] = load_stream_16B(values + c0 / kChunk);
-            g.nibbles[k] = load_stream_4B(deltas + c0 / kChunk);
-        } else {
-            g.values[k] = make_uint4(0, 0, 0, 0);
-            g.nibbles[k] = 0;
+        const uint32_t chunk = ((uint32_t)c.a >> 3) + k * kWarpSize + lane;
+        if ((int)(chunk * kChunk) < c.e) {
+            g.values[k] = load_stream_16B(values + chunk);
+            g.nibbles[k] = load_stream_4B(deltas + chunk);
         }
     }
 }
 
 // Decodes one group of row entries [s, e) and hands every entry to the consumer. `carry` counts the
-// nibbles of the row's earlier entries. All lanes of the warp call this together.
+// nibbles of the row's earlier entries. All lanes of the warp call this together. Lanes whose chunk
+// starts at or past e hold stale registers (load_batch): only entries in [s, e) reach the consumer.
 template <int STEPS, class Consumer>
-__device__ __forceinline__ void decode_group(Group<STEPS>& g, int a, int s, int e, int& carry, int lane,
+__device__ __forceinline__ void decode_group(const Group<STEPS>& g, int a, int s, int e, int& carry, int lane,
                                              Consumer& consumer) {
     static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
     ChunkNibbles nib[STEPS];
     uint32_t packed = 0;
 #pragma unroll
     for (int k = 0; k < STEPS; ++k) {
-        const int c0 = a + k * kStep + lane * kChunk;
         uint32_t bits = g.nibbles[k];
-        if (c0 < s) bits &= kFullMask << (4 * (s - c0));  // entries of the previous row (s - c0 <= 7)
+        if (k == 0) {  // a row's first group starts at s & ~7: only lane 0's first chunk holds earlier entries
+            const int before_row = s - (a + lane * kChunk);
+            if (before_row > 0) bits &= kFullMask << (4 * before_row);
+        }
         nib[k] = chunk_nibbles(bits);
         packed |= nib[k].total() << (16 * k);  // a step's sum is <= 32 * 120 < 2^16
     }
@@ -157,63 +198,44 @@ __device__ __forceinline__ void walk_rows_unpipelined(const uint4* __restrict__ 
         int carry = 0;
         consumer.begin_row(row);
         for (int a = s & ~(kChunk - 1); a < e; a += STEPS * kStep) {
-            Group<STEPS> g;
-            load_group(values, deltas, a, e, lane, g);
+            Group<STEPS> g{};
+            load_batch(values, deltas, GroupCursor{row, s, e, a}, lane, g);
             decode_group(g, a, s, e, carry, lane, consumer);
         }
         consumer.end_row(row);
     }
 }
 
-// Walks rows first_row, first_row + stride, ... with one group of loads always in flight.
-// consumer.stage() runs once after the first loads are issued (all threads of the block).
+// Walks rows first_row, first_row + stride, ... with one group of loads always in flight: two
+// register batches alternate by name (no copies). consumer.stage() runs once after the first loads
+// are issued (all threads of the block).
 template <int STEPS, class Consumer>
 __device__ __forceinline__ void walk_rows(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
                                           const int* __restrict__ row_ptr, int rows, int first_row, int stride,
                                           int lane, Consumer& consumer) {
-    constexpr int kAlign = ~(kChunk - 1);
-    int row = first_row;
-    int s = 0, e = 0, next_s = 0, next_e = 0;
-    if (row < rows) {
-        s = row_ptr[row];
-        e = row_ptr[row + 1];
-    }
-    if (row + stride < rows) {
-        next_s = row_ptr[row + stride];
-        next_e = row_ptr[row + stride + 1];
-    }
-    int a = s & kAlign;
-    Group<STEPS> cur;
-    load_group(values, deltas, a, e, lane, cur);
+    RowGroups<STEPS> groups{row_ptr, rows, stride};
+    GroupCursor ca = groups.first(first_row);
+    Group<STEPS> batch_a{}, batch_b{};
+    if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
     consumer.stage();
 
     int carry = 0;
-    while (row < rows) {
-        int nrow = row, ns = s, ne = e, na = a + STEPS * kStep;
-        if (na >= e) {  // this group ends the row: the next one starts the warp's next row
-            nrow = row + stride;
-            ns = next_s;
-            ne = next_e;
-            na = ns & kAlign;
-            if (nrow + stride < rows) {
-                next_s = row_ptr[nrow + stride];
-                next_e = row_ptr[nrow + stride + 1];
-            }
-        }
-        Group<STEPS> nxt;
-        load_group(values, deltas, na, nrow < rows ? ne : 0, lane, nxt);
-
-        if (a == (s & kAlign)) consumer.begin_row(row);
-        decode_group(cur, a, s, e, carry, lane, consumer);
-        if (nrow != row) {
-            consumer.end_row(row);
+    const auto decode = [&](const Group<STEPS>& g, const GroupCursor& c, const GroupCursor& next) {
+        if (c.a == (c.s & ~(kChunk - 1))) consumer.begin_row(c.row);
+        decode_group(g, c.a, c.s, c.e, carry, lane, consumer);
+        if (next.row != c.row) {
+            consumer.end_row(c.row);
             carry = 0;
         }
-        row = nrow;
-        s = ns;
-        e = ne;
-        a = na;
-        cur = nxt;
+    };
+    while (ca.row < rows) {
+        const GroupCursor cb = groups.after(ca);
+        if (cb.row < rows) load_batch(values, deltas, cb, lane, batch_b);
+        decode(batch_a, ca, cb);
+        if (cb.row >= rows) break;
+        ca = groups.after(cb);
+        if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
+        decode(batch_b, cb, ca);
     }
 }
 
@@ -398,65 +420,8 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __
 }
 
 // ---- One token, x in shared memory: the decode kernel ----
-// The same work split as walk_rows, with two register batches that alternate by name (no copies),
-// the row-start mask applied only where it can bite (lane 0 of a row's first step), predicated
-// shuffles in the scan, and each entry's x fetched with a byte permute, one address add and a
-// shared load with the entry's offset as its immediate.
-
-// Warp-uniform position of one group: row `row` spans entries [s, e); the group starts at entry a.
-struct GroupCursor {
-    int row, s, e, a;
-};
-
-// The groups of rows first, first + stride, ... in order; each row's bounds are read one row ahead.
-template <int STEPS>
-struct RowGroups {
-    const int* __restrict__ row_ptr;
-    int rows, stride;
-    int next_s = 0, next_e = 0;  // the bounds of the row after the current one
-
-    __device__ __forceinline__ void read_next(int row) {
-        if (row < rows) {
-            next_s = row_ptr[row];
-            next_e = row_ptr[row + 1];
-        }
-    }
-
-    __device__ __forceinline__ GroupCursor first(int row) {
-        GroupCursor c{row, 0, 0, 0};
-        if (row < rows) {
-            c.s = row_ptr[row];
-            c.e = row_ptr[row + 1];
-            c.a = c.s & ~(kChunk - 1);
-        }
-        read_next(row + stride);
-        return c;
-    }
-
-    __device__ __forceinline__ GroupCursor after(const GroupCursor& c) {
-        GroupCursor n{c.row, c.s, c.e, c.a + STEPS * kStep};
-        if (n.a >= c.e) {
-            n = GroupCursor{c.row + stride, next_s, next_e, next_s & ~(kChunk - 1)};
-            read_next(n.row + stride);
-        }
-        return n;
-    }
-};
-
-// Lanes whose chunk starts at or past the row's end load nothing and keep their old registers:
-// the decode never reads those entries.
-template <int STEPS>
-__device__ __forceinline__ void load_batch(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
-                                           const GroupCursor& c, int lane, Group<STEPS>& g) {
-#pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-        const uint32_t chunk = ((uint32_t)c.a >> 3) + k * kWarpSize + lane;
-        if ((int)(chunk * kChunk) < c.e) {
-            g.values[k] = load_stream_16B(values + chunk);
-            g.nibbles[k] = load_stream_4B(deltas + chunk);
-        }
-    }
-}
+// walk_rows with a consumer that fetches each entry's x with a byte permute, one address add and a
+// shared load with the entry's offset as its immediate (5 instructions per entry).
 
 // acc += the chunk's entries [first, end) (all 8 unless CHECK) times x; xb is the shared-memory
 // address of x[base]. Per entry: a byte permute (its prefix), one address add, and a shared load
@@ -479,41 +444,39 @@ __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& ni
     }
 }
 
-template <typename T, int STEPS>
-__device__ __forceinline__ void decode_batch(const Group<STEPS>& g, const GroupCursor& c, int lane, uint32_t xs,
-                                             int& carry, float2& acc) {
-    static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
-    const int lane_c0 = c.a + lane * kChunk;
-    ChunkNibbles nib[STEPS];
-    uint32_t packed = 0;
-#pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-        uint32_t bits = g.nibbles[k];
-        if (k == 0) {
-            const int before_row = c.s - lane_c0;  // <= 7; > 0 only on lane 0 of a row's first group
-            if (before_row > 0) bits &= kFullMask << (4 * before_row);
-        }
-        nib[k] = chunk_nibbles(bits);
-        packed |= nib[k].total() << (16 * k);
-    }
-    // The warp total comes from a reduction that runs beside the scan, not after it: the scan's
-    // serial shuffles are where this kernel stalls most (ncu source counters, session 9).
-    const uint32_t total = __reduce_add_sync(kFullMask, packed);  // 16-bit fields: no carries
-    const uint32_t exclusive = warp_inclusive_scan(packed) - packed;
-#pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-        const int c0 = lane_c0 + k * kStep;
-        const int base = c0 - c.s + carry + (int)((exclusive >> (16 * k)) & 0xffffu);
-        carry += (int)((total >> (16 * k)) & 0xffffu);
-        if (c0 >= c.s && c0 + kChunk <= c.e)
-            chunk_dot<T, false>(g.values[k], nib[k], xs + 4 * base, 0, kChunk, acc);
-        else if (c0 < c.e)
-            chunk_dot<T, true>(g.values[k], nib[k], xs + 4 * base, c.s - c0, c.e - c0, acc);
-    }
-}
+// out[row] (+)= W[row] . x for one token (blockIdx.y picks it), x staged in shared memory as fp32.
+// Launched as a PDL dependent: stage() runs after the first batch of weights is requested.
+template <typename T>
+struct OneTokenConsumer {
+    const uint16_t* x;
+    T* __restrict__ out;
+    float* xs;
+    int cols, lane;
+    bool accumulate;
+    uint32_t xs_addr = 0;  // shared-memory address of xs
+    float2 acc = make_float2(0.f, 0.f);
 
-// x staged in shared memory as fp32: out[t, row] (+)= W[row] . x[t], token t = blockIdx.y. Launched
-// as a PDL dependent: the first batch of weights is requested before griddepcontrol.wait.
+    __device__ __forceinline__ void stage() {
+        allow_dependents_to_launch();
+        wait_for_previous_kernel();
+        stage_x_fp32<T>(x, cols, xs);
+        __syncthreads();
+        xs_addr = smem_addr(xs);
+    }
+
+    __device__ __forceinline__ void begin_row(int) { acc = make_float2(0.f, 0.f); }
+
+    template <bool CHECK>
+    __device__ __forceinline__ void chunk(const uint4& v, const ChunkNibbles& nib, int base, int c0, int s, int e) {
+        chunk_dot<T, CHECK>(v, nib, xs_addr + 4 * base, s - c0, e - c0, acc);
+    }
+
+    __device__ __forceinline__ void end_row(int row) {
+        const float sum = warp_sum(acc.x + acc.y);
+        if (lane == 0) out[row] = from_float<T>(sum + (accumulate ? to_float(out[row]) : 0.f));
+    }
+};
+
 template <typename T, int STEPS>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
                                                                            const uint32_t* __restrict__ deltas,
@@ -521,41 +484,12 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
                                                                            const uint16_t* x, T* __restrict__ out,
                                                                            int rows, int cols, bool accumulate) {
     extern __shared__ __align__(16) unsigned char smem[];
-    float* xs = reinterpret_cast<float*>(smem);
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
-    x += (int64_t)blockIdx.y * cols;  // one token per grid row
-    out += (int64_t)blockIdx.y * rows;
-    RowGroups<STEPS> groups{row_ptr, rows, (int)gridDim.x * warps};
-    GroupCursor ca = groups.first(blockIdx.x * warps + threadIdx.x / kWarpSize);
-    Group<STEPS> batch_a{}, batch_b{};
-    if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
-    allow_dependents_to_launch();
-    wait_for_previous_kernel();
-    stage_x_fp32<T>(x, cols, xs);
-    __syncthreads();
-    const uint32_t xs_addr = smem_addr(xs);
-
-    int carry = 0;
-    float2 acc = make_float2(0.f, 0.f);
-    const auto finish_group = [&](const GroupCursor& done, const GroupCursor& next) {
-        if (next.row == done.row) return;
-        const float sum = warp_sum(acc.x + acc.y);
-        if (lane == 0) out[done.row] = from_float<T>(sum + (accumulate ? to_float(out[done.row]) : 0.f));
-        acc = make_float2(0.f, 0.f);
-        carry = 0;
-    };
-    while (ca.row < rows) {
-        const GroupCursor cb = groups.after(ca);
-        if (cb.row < rows) load_batch(values, deltas, cb, lane, batch_b);
-        decode_batch<T>(batch_a, ca, lane, xs_addr, carry, acc);
-        finish_group(ca, cb);
-        if (cb.row >= rows) break;
-        ca = groups.after(cb);
-        if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
-        decode_batch<T>(batch_b, cb, lane, xs_addr, carry, acc);
-        finish_group(cb, ca);
-    }
+    OneTokenConsumer<T> consumer{x + (int64_t)blockIdx.y * cols, out + (int64_t)blockIdx.y * rows,
+                                 reinterpret_cast<float*>(smem), cols, lane, accumulate};
+    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize, gridDim.x * warps,
+                     lane, consumer);
 }
 
 // Dense rows. ROW_IN_SMEM: each warp assembles its row in shared memory (zeros, then the scattered
@@ -609,8 +543,12 @@ struct DecompressConsumer {
     }
 };
 
+// 8-warp blocks held to 85 registers, 3 per SM: the row buffers of K = 4096 allow 3, and the
+// two-batch walker would otherwise take 86 and fit 2.
+constexpr int kDecompressWarpsPerBlock = 8;
+
 template <int STEPS, bool ROW_IN_SMEM>
-__global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uint4* __restrict__ values,
+__global__ void __launch_bounds__(kDecompressWarpsPerBlock * kWarpSize, 3) macko_decompress_kernel(const uint4* __restrict__ values,
                                                                        const uint32_t* __restrict__ deltas,
                                                                        const int* __restrict__ row_ptr,
                                                                        uint16_t* __restrict__ out, int rows,
@@ -633,7 +571,6 @@ __global__ void __launch_bounds__(kMaxThreads) macko_decompress_kernel(const uin
 // 16 warps per block, x in shared memory whenever it fits.
 constexpr int kDefaultSteps = 2;
 constexpr int kDefaultWarpsPerBlock = 16;
-constexpr int kDecompressWarpsPerBlock = 8;
 
 struct DeviceLimits {
     int sm_count;
