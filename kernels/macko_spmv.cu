@@ -10,9 +10,8 @@
 //   tokens) and gathered from there; the staging overlaps the first weight loads;
 // - nibble prefix sums inside a chunk use byte-parallel arithmetic (one multiply), and the warp scan
 //   of the chunk sums covers two steps at once (16-bit fields);
-// - the one-token kernel (decode) is written for the fewest instructions per entry: the generic
-//   walker was bound by issue slots, not DRAM; this one waits mostly on the latency of the warp
-//   scan (docs/perf-notes.md, session 9);
+// - the one-token consumer (decode) gathers x with 5 instructions per entry; with it the kernel
+//   waits mostly on the latency of the warp scan, not on DRAM (docs/perf-notes.md, session 9);
 // - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
 #include <map>
 #include <mutex>
