@@ -150,7 +150,9 @@ def test_fused_gemv_every_launch_configuration(warps, unroll):
 
 # (I, K) of [gate; up] matrices [2I, K]: I off the 8-row half tile, every launch shape, the scalar path
 # (K of a few hundred at least: with the norm, g * x is rounded to the dtype, and bf16 needs the averaging).
-SILU_SHAPES = [(1, 264), (37, 1000), (688, 4096), (300, 4104), (5504, 4096), (64, 11008), (21, 1001)]
+# (5, 264): a partial tile of gate rows. A norm-wise error over one output is ill-conditioned when its
+# gate's dot product cancels, so no shape has a single output row.
+SILU_SHAPES = [(5, 264), (37, 1000), (688, 4096), (300, 4104), (5504, 4096), (64, 11008), (21, 1001)]
 
 
 @pytest.mark.parametrize("norm", [False, True])
