@@ -86,6 +86,30 @@ def test_every_launch_configuration(tuning):
         assert relative_error(out, matrix, x) < 2e-3
 
 
+@pytest.mark.parametrize("cols, density", [(4096, 0.5), (4096, 0.1), (4096, 0.3), (1031, 0.9), (300, 0.02),
+                                           (2048, 0.25), (520, 1.0), (11008, 0.5)])
+@pytest.mark.parametrize("warps_per_block", [0, 4, 16])
+def test_spmv_one_token_every_row(cols, density, warps_per_block):
+    """Every row checked on its own, with more rows than resident warps (each warp sums several):
+    a mistake at a row boundary spoils one row, which a norm over all rows would hide. Per-row
+    pruning to an exact count puts row starts at unaligned entries; 2048 columns at 0.25 give rows of
+    one 512-entry group, 520 full columns rows just past one; some rows are emptied, one keeps a
+    single entry."""
+    rows = 9000
+    matrix = sparse_matrix(rows, cols, 1.0, seed=cols)
+    kept = max(1, round(density * cols))
+    threshold = matrix.abs().float().topk(kept, dim=1).values[:, -1:]
+    matrix[matrix.abs().float() < threshold] = 0
+    matrix[50:53] = 0
+    matrix[4000, 1:] = 0
+    out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block)
+    ref = x.double() @ matrix.double().T
+    scale = x.double().abs() @ matrix.double().abs().T  # the sum of |terms|: no cancellation
+    assert not out.isnan().any(), "some rows were never written"
+    worst = ((out.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
+    assert worst < 2e-3, f"worst row error {worst}"
+
+
 def test_long_rows_many_groups():
     matrix = sparse_matrix(3, 50000, 1.0, seed=2)  # 50000 entries per row: ~100 pipeline groups
     out, x = run_spmv(matrix, 1)
