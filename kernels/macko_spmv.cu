@@ -13,7 +13,6 @@
 // - the one-token consumer (decode) gathers x with 5 instructions per entry; with it the kernel
 //   waits mostly on the latency of the warp scan, not on DRAM (docs/perf-notes.md, session 9);
 // - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
-#include <climits>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -420,24 +419,8 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_kernel(const uint4* __
 }
 
 // ---- One token, x in shared memory: the decode kernel ----
-// Rows are streamed rather than walked: each warp owns a contiguous range of rows and reads its
-// entries as one stream of groups that ignore row boundaries. Row-aligned groups start at the chunk
-// holding the row's first entry, so a row of 2048 entries at an unaligned start spans 2049-2063
-// chunk-aligned entries: five groups of 512, the last nearly empty (ncu: 1.25 groups per row at
-// d = 0.5). Streamed, a row costs its entries plus one boundary.
-//
-// Columns: entry i of a row starting at s sits at column (i - s) + (nibbles s..i summed). With the
-// group's inclusive nibble prefix Q and the row's `offset` = (its nibbles before the group) - s, the
-// entry at chunk start c0 + j has column c0 + j + offset + X + prefix(j), X being the group prefix
-// before the chunk. A row that starts inside the group at s has offset -s - Q(s - 1).
-//
-// x sits in shared memory between zero pads: kLeadPad floats before it take the entries before the
-// warp's first row (their nibbles masked, so their columns are -7..-1), kTailPad after it take the
-// chunks past the warp's last row (any chunk reads at most 127 floats past its base).
-constexpr int kLeadPad = 8;
-constexpr int kTailPad = 128;
-
-inline int one_token_smem_bytes(int cols) { return (kLeadPad + cols + kTailPad) * (int)sizeof(float); }
+// walk_rows with a consumer that fetches each entry's x with a byte permute, one address add and a
+// shared load with the entry's offset as its immediate (5 instructions per entry).
 
 // acc += the chunk's entries [first, end) (all 8 unless CHECK) times x; xb is the shared-memory
 // address of x[base]. Per entry: a byte permute (its prefix), one address add, and a shared load
@@ -460,227 +443,39 @@ __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& ni
     }
 }
 
-// The one lane whose chunk holds a row boundary: entries [0, split) (x from xb_a) finish the row
-// in acc, whose sum goes to `done`; entries [split, 8) (x from xb_b) start the next row in acc.
+// out[row] (+)= W[row] . x for one token (blockIdx.y picks it), x staged in shared memory as fp32.
+// Launched as a PDL dependent: stage() runs after the first batch of weights is requested.
 template <typename T>
-__device__ __forceinline__ void split_chunk_dot(const uint4& v, const ChunkNibbles& nib, uint32_t xb_a,
-                                                uint32_t xb_b, int split, float2& acc, float& done) {
-    float2 next = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-        const bool first_row = j < split;
-        const uint32_t prefix = __byte_perm(j & 1 ? nib.odd : nib.even, 0, 0x4440 + (j >> 1));
-        float xj;
-        asm("ld.shared.f32 %0, [%1];" : "=f"(xj) : "r"((first_row ? xb_a : xb_b) + 4 * prefix + 4 * j));
-        const float w = value_at<T>(v, j);
-        if (first_row) {
-            if (j & 1) acc.y = fmaf(w, xj, acc.y);
-            else acc.x = fmaf(w, xj, acc.x);
-        } else {
-            if (j & 1) next.y = fmaf(w, xj, next.y);
-            else next.x = fmaf(w, xj, next.x);
-        }
-    }
-    done = acc.x + acc.y;
-    acc = next;
-}
-
-// One group's nibble prefixes: `before[k]` is X for this lane's chunk of step k.
-template <int STEPS>
-struct GroupPrefix {
-    ChunkNibbles nib[STEPS];
-    int before[STEPS];
-    int total;
-
-    __device__ __forceinline__ explicit GroupPrefix(const Group<STEPS>& g) {
-        static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
-        uint32_t packed = 0;
-#pragma unroll
-        for (int k = 0; k < STEPS; ++k) {
-            nib[k] = chunk_nibbles(g.nibbles[k]);
-            packed |= nib[k].total() << (16 * k);  // a step's sum is <= 32 * 120 < 2^16
-        }
-        const uint32_t sums = __reduce_add_sync(kFullMask, packed);  // beside the scan, not after it
-        const uint32_t exclusive = warp_inclusive_scan(packed) - packed;
-        int running = 0;
-#pragma unroll
-        for (int k = 0; k < STEPS; ++k) {
-            before[k] = running + (int)((exclusive >> (16 * k)) & 0xffffu);
-            running += (int)((sums >> (16 * k)) & 0xffffu);
-        }
-        total = running;
-    }
-
-    // Q(a + q - 1): the nibbles of the group's first q entries (q warp-uniform, 0 <= q <= group size).
-    __device__ __forceinline__ int first_entries(int q) const {
-        if (q == 0) return 0;
-        const int chunk = (q - 1) / kChunk, j = (q - 1) % kChunk, step = chunk / kWarpSize;
-        int mine = 0;
-#pragma unroll
-        for (int k = 0; k < STEPS; ++k)
-            if (k == step) mine = before[k] + nib[k].prefix(j);
-        return __shfl_sync(kFullMask, mine, chunk % kWarpSize);
-    }
-};
-
-// The row being summed: its index and end, the end of the row after it (INT_MAX when that row is
-// past the warp's range), and its column offset (above). Rows begin at or before the current group.
-struct StreamRow {
-    int row, end, next_end, offset;
-};
-
-template <typename T>
-struct OneTokenRows {
+struct OneTokenConsumer {
+    const uint16_t* x;
     T* __restrict__ out;
-    const int* __restrict__ row_ptr;
-    uint32_t xs_addr;  // shared-memory address of x[0] (fp32)
-    int cols, row_end, lane;
+    float* xs;
+    int cols, lane;
     bool accumulate;
+    uint32_t xs_addr = 0;  // shared-memory address of xs
     float2 acc = make_float2(0.f, 0.f);
 
-    __device__ __forceinline__ uint32_t x_at(int base) const { return xs_addr + 4 * base; }
+    __device__ __forceinline__ void stage() {
+        allow_dependents_to_launch();
+        wait_for_previous_kernel();
+        stage_x_fp32<T>(x, cols, xs);
+        __syncthreads();
+        xs_addr = smem_addr(xs);
+    }
 
-    // out[row] (+)= the warp's sum of `part`.
-    __device__ __forceinline__ void write(int row, float part) {
-        const float sum = warp_sum(part);
+    __device__ __forceinline__ void begin_row(int) { acc = make_float2(0.f, 0.f); }
+
+    template <bool CHECK>
+    __device__ __forceinline__ void chunk(const uint4& v, const ChunkNibbles& nib, int base, int c0, int s, int e) {
+        chunk_dot<T, CHECK>(v, nib, xs_addr + 4 * base, s - c0, e - c0, acc);
+    }
+
+    __device__ __forceinline__ void end_row(int row) {
+        const float sum = warp_sum(acc.x + acc.y);
         if (lane == 0) out[row] = from_float<T>(sum + (accumulate ? to_float(out[row]) : 0.f));
-    }
-
-    __device__ __forceinline__ void flush(int row) {
-        write(row, acc.x + acc.y);
-        acc = make_float2(0.f, 0.f);
-    }
-
-    // The next row starts at the current row's end (it reads its successor's end a row ahead).
-    __device__ __forceinline__ void advance(StreamRow& r) const {
-        ++r.row;
-        r.end = r.next_end;
-        r.next_end = r.row + 1 < row_end ? row_ptr[r.row + 2] : INT_MAX;
-    }
-
-    // Flushes the row that ended exactly at `boundary`, the end of the group at a; the next row starts
-    // there. Returns false when it was the warp's last row.
-    template <int STEPS>
-    __device__ __forceinline__ bool close_at_group_end(StreamRow& r, const GroupPrefix<STEPS>& p, int boundary) {
-        flush(r.row);
-        if (r.row + 1 >= row_end) {
-            r.row = row_end;
-            return false;
-        }
-        advance(r);
-        r.offset = -boundary - p.total;  // the group's total is added back below
-        return true;
-    }
-
-    // Whether the group at a holds at most one row boundary with a row that goes on past it after.
-    template <int STEPS>
-    __device__ __forceinline__ bool fast_path(int a, const StreamRow& r) const {
-        const int group_end = a + STEPS * kStep;
-        return r.end >= group_end || r.next_end > group_end;
-    }
-
-    template <int STEPS>
-    __device__ __forceinline__ void fast_group(const Group<STEPS>& g, int a, StreamRow& r) {
-        constexpr int kGroup = STEPS * kStep;
-        const GroupPrefix<STEPS> p(g);
-        const int group_end = a + kGroup;
-        if (r.end >= group_end) {  // inside one row
-#pragma unroll
-            for (int k = 0; k < STEPS; ++k) {
-                const int c0 = a + k * kStep + lane * kChunk;
-                chunk_dot<T, false>(g.values[k], p.nib[k], x_at(c0 + p.before[k] + r.offset), 0, kChunk, acc);
-            }
-            if (r.end == group_end) close_at_group_end(r, p, group_end);
-        } else {  // one row boundary; the next row goes on past the group or is past the warp's range
-            const int boundary = r.end;
-            const bool next_is_ours = r.row + 1 < row_end;
-            const int next_offset = -boundary - p.first_entries(boundary - a);
-            float done = 0.f;  // this lane's part of the row that ends here
-            bool switched = false;
-#pragma unroll
-            for (int k = 0; k < STEPS; ++k) {
-                const int c0 = a + k * kStep + lane * kChunk;
-                const int base = c0 + p.before[k];
-                const bool next_row = c0 >= boundary;
-                // entries past the warp's range (another warp's, or stale registers) read the tail pad
-                const uint32_t xb_next = x_at(next_is_ours ? base + next_offset : cols);
-                if (next_row && !switched) {
-                    done = acc.x + acc.y;
-                    acc = make_float2(0.f, 0.f);
-                    switched = true;
-                }
-                if (next_row || c0 + kChunk <= boundary) {
-                    chunk_dot<T, false>(g.values[k], p.nib[k], next_row ? xb_next : x_at(base + r.offset), 0, kChunk,
-                                        acc);
-                } else {
-                    split_chunk_dot<T>(g.values[k], p.nib[k], x_at(base + r.offset), xb_next, boundary - c0, acc,
-                                       done);
-                    switched = true;
-                }
-            }
-            if (!switched) {
-                done = acc.x + acc.y;
-                acc = make_float2(0.f, 0.f);
-            }
-            write(r.row, done);
-            if (next_is_ours) {
-                advance(r);
-                r.offset = next_offset;
-            } else {
-                r.row = row_end;
-            }
-        }
-        r.offset += p.total;
-    }
-
-    // Entries [lo, hi) of the group at a, all of one row. Rolled, so the rare path needs few registers.
-    template <int STEPS>
-    __device__ __forceinline__ void segment(const Group<STEPS>& g, const GroupPrefix<STEPS>& p, int a, int lo,
-                                            int hi, int offset) {
-#pragma unroll 1
-        for (int k = 0; k < STEPS; ++k) {
-            const int c0 = a + k * kStep + lane * kChunk;
-            const uint4 v = k == 0 ? g.values[0] : g.values[STEPS - 1];
-            const ChunkNibbles nib = k == 0 ? p.nib[0] : p.nib[STEPS - 1];
-            const uint32_t xb = x_at(c0 + (k == 0 ? p.before[0] : p.before[STEPS - 1]) + offset);
-            const int end = min(hi - c0, kChunk);
-#pragma unroll 1
-            for (int j = max(lo - c0, 0); j < end; ++j) {
-                float xj;
-                asm("ld.shared.f32 %0, [%1];" : "=f"(xj) : "r"(xb + 4 * (nib.prefix(j) + j)));
-                acc.x = fmaf(bits_to_float<T>(word_of(v, j >> 1) >> (16 * (j & 1))), xj, acc.x);
-            }
-        }
-    }
-
-    // Any group (short or empty rows): one pass per row.
-    template <int STEPS>
-    __device__ __forceinline__ void any_group(const Group<STEPS>& g, int a, StreamRow& r) {
-        const GroupPrefix<STEPS> p(g);
-        const int group_end = a + STEPS * kStep;
-        for (int lo = a;;) {
-            segment(g, p, a, lo, min(r.end, group_end), r.offset);
-            if (r.end > group_end) break;
-            lo = r.end;
-            if (lo == group_end) {
-                if (close_at_group_end(r, p, group_end)) continue;
-                break;
-            }
-            flush(r.row);
-            if (r.row + 1 >= row_end) {
-                r.row = row_end;
-                break;
-            }
-            advance(r);
-            r.offset = -lo - p.first_entries(lo - a);
-        }
-        r.offset += p.total;
     }
 };
 
-// out[row] (+)= W[row] . x for one token (blockIdx.y picks it), x staged in shared memory as fp32.
-// Warp w of W sums rows [w * rows / W, (w + 1) * rows / W). Launched as a PDL dependent: x is staged
-// after the first group of weights is requested.
 template <typename T, int STEPS>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
                                                                            const uint32_t* __restrict__ deltas,
@@ -688,53 +483,12 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
                                                                            const uint16_t* x, T* __restrict__ out,
                                                                            int rows, int cols, bool accumulate) {
     extern __shared__ __align__(16) unsigned char smem[];
-    constexpr int kGroup = STEPS * kStep;
+    const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
-    const int warps = gridDim.x * (blockDim.x / kWarpSize);
-    const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
-    const int row_begin = (int)((int64_t)rows * warp / warps);
-    const int row_end = (int)((int64_t)rows * (warp + 1) / warps);
-    float* xs = reinterpret_cast<float*>(smem) + kLeadPad;
-
-    const int begin = row_ptr[row_begin];
-    const int finish = row_ptr[row_end];
-    int a = begin & ~(kChunk - 1);
-    Group<STEPS> batch_a{}, batch_b{};
-    if (a < finish) load_batch(values, deltas, GroupCursor{0, 0, finish, a}, lane, batch_a);
-
-    allow_dependents_to_launch();
-    wait_for_previous_kernel();
-    for (int i = threadIdx.x; i < kLeadPad + kTailPad; i += blockDim.x)
-        (i < kLeadPad ? xs - kLeadPad + i : xs + cols + i - kLeadPad)[0] = 0.f;
-    stage_x_fp32<T>(x + (int64_t)blockIdx.y * cols, cols, xs);
-    __syncthreads();
-    if (row_begin >= row_end) return;
-
-    OneTokenRows<T> sink{out + (int64_t)blockIdx.y * rows, row_ptr, smem_addr(xs), cols, row_end, lane, accumulate};
-    // The first group starts at the chunk holding `begin`: the entries before it are another warp's;
-    // masking their nibbles puts them at columns -7..-1, the lead pad.
-    if (lane == 0 && begin > a) batch_a.nibbles[0] &= kFullMask << (4 * (begin - a));
-    StreamRow r{row_begin, row_ptr[row_begin + 1], row_begin + 1 < row_end ? row_ptr[row_begin + 2] : INT_MAX,
-                -begin};
-    // Two register batches alternate by name: on the fast path the next group is in flight while this
-    // one is summed; the rare path loads it after, so it has the registers.
-    const auto step = [&](const Group<STEPS>& current, Group<STEPS>& next) {
-        const bool more = a + kGroup < finish;
-        if (sink.template fast_path<STEPS>(a, r)) {
-            if (more) load_batch(values, deltas, GroupCursor{0, 0, finish, a + kGroup}, lane, next);
-            sink.fast_group(current, a, r);
-        } else {
-            sink.any_group(current, a, r);
-            if (more) load_batch(values, deltas, GroupCursor{0, 0, finish, a + kGroup}, lane, next);
-        }
-        a += kGroup;
-    };
-    while (a < finish) {
-        step(batch_a, batch_b);
-        if (a >= finish) break;
-        step(batch_b, batch_a);
-    }
-    for (; r.row < row_end; ++r.row) sink.flush(r.row);  // rows with no entries left (all empty)
+    OneTokenConsumer<T> consumer{x + (int64_t)blockIdx.y * cols, out + (int64_t)blockIdx.y * rows,
+                                 reinterpret_cast<float*>(smem), cols, lane, accumulate};
+    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize, gridDim.x * warps,
+                     lane, consumer);
 }
 
 // Dense rows. ROW_IN_SMEM: each warp assembles its row in shared memory (zeros, then the scattered
@@ -883,7 +637,7 @@ void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int3
                            void* out, int rows, int cols, int tokens, bool accumulate, int warps_per_block,
                            cudaStream_t stream) {
     auto kernel = macko_spmv_one_token_kernel<T, STEPS>;
-    const int smem = one_token_smem_bytes(cols);
+    const int smem = cols * (int)sizeof(float);
     launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, tokens), dim3(warps_per_block * kWarpSize),
                     smem, stream, true, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
                     row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
@@ -915,7 +669,7 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     while (per_pass < tokens && per_pass < 16) per_pass *= 2;
     while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
     const bool x_in_smem =
-        tuning.x_in_smem != 0 && (per_pass > 1 || one_token_smem_bytes(cols) <= smem_optin);
+        tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
     if (!x_in_smem) per_pass = 1;  // the global-x path takes one token per pass
     const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
     // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.
