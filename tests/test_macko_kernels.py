@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from minfer import ops
+from minfer.formats import macko as macko_format
 from minfer.formats.macko import MackoWeight, compress
 from tests.conftest import requires_cuda
 
@@ -177,6 +178,18 @@ def test_weight_forward_decode_and_prefill_paths(tokens):
     assert out.shape == (1, tokens, 96)
     assert relative_error(out.view(tokens, 96), matrix, x.view(tokens, 520)) < 2e-3
     assert torch.equal(weight.to_dense(), matrix)
+
+
+@pytest.mark.parametrize("block_rows", [1, 7, 96])
+def test_prefill_decompresses_blocks_of_rows(monkeypatch, block_rows):
+    """Prefill decompresses at most PREFILL_SCRATCH_ELEMENTS weights at a time: single rows, blocks
+    with a ragged last one, and the whole matrix give the same product."""
+    monkeypatch.setattr(macko_format, "PREFILL_SCRATCH_ELEMENTS", block_rows * 520)
+    matrix = sparse_matrix(96, 520, 0.3, seed=block_rows)
+    weight = MackoWeight.from_dense(matrix)
+    x = torch.randn(40, 520, device="cuda", dtype=torch.float16)
+    out = weight(x)
+    assert relative_error(out, matrix, x) < 2e-3
 
 
 @pytest.mark.parametrize("tokens, tuning", [(1, {}), (5, {}), (16, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],

@@ -3,14 +3,13 @@
 `compress` turns a dense matrix into the reference library's three arrays (macko_spmv v0.2.0),
 array for array, vectorized in torch on the matrix's device. `MackoWeight` keeps them as buffers
 and multiplies with the SpMV/SpMM kernel for up to 16 tokens (decode, batched decode, speculative
-verification). Longer inputs (prefill) decompress the matrix into one scratch buffer shared by
-every MACKO layer and run a dense matmul, so no dense copy of the model is ever kept.
+verification). Longer inputs (prefill) decompress blocks of rows into one 32 MB scratch buffer
+shared by every MACKO layer and run dense matmuls, so no dense copy of the model is ever kept.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
 from ..errors import FormatError
@@ -85,13 +84,16 @@ def concat_rows(parts: list[MackoArrays]) -> MackoArrays:
 
 
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+# Prefill decompresses at most this many weights at once (32 MB in fp16): a block of 4096 rows of
+# K = 4096, against 180 MB for Llama-2-7B's whole gate_up.
+PREFILL_SCRATCH_ELEMENTS = 16 * 1024 * 1024
 
 
 def scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [rows, cols] view of the one decompression buffer per device and dtype (grown on demand).
 
-    Every MACKO layer decompresses into it before its prefill matmul; stream order keeps each use
-    after the previous layer's matmul.
+    Every MACKO layer decompresses blocks of rows into it before its prefill matmuls; stream order
+    keeps each use after the previous matmul.
     """
     buffer = _scratch.get((device, dtype))
     if buffer is None or buffer.numel() < rows * cols:
@@ -148,11 +150,23 @@ class MackoWeight(WeightFormat):
         if self.values.dtype == torch.float32:  # no fp32 kernel: the CPU-oriented reference path
             out = ops.macko_spmv_reference(self.values, self.deltas, self.row_ptr, flat)
         elif flat.shape[0] > ops.MACKO_SPMM_MAX_TOKENS and ops.use_kernels(flat):
-            weight = scratch_matrix(self.out_features, self.in_features, self.values.dtype, flat.device)
-            out = F.linear(flat, ops.macko_decompress(self.values, self.deltas, self.row_ptr, out=weight))
+            out = self._prefill(flat)
         else:
             out = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
+        """Long inputs: decompress a block of rows at a time into the shared scratch buffer and
+        multiply it on tensor cores, so the scratch stays at PREFILL_SCRATCH_ELEMENTS."""
+        rows, cols = self.out_features, self.in_features
+        out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
+        block = max(1, min(rows, PREFILL_SCRATCH_ELEMENTS // max(cols, 1)))
+        for first in range(0, rows, block):
+            last = min(rows, first + block)
+            weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)
+            ops.macko_decompress(self.values, self.deltas, self.row_ptr[first:last + 1], out=weight)
+            torch.mm(flat, weight.T, out=out[:, first:last])
+        return out
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
