@@ -65,6 +65,10 @@ def build_parser() -> Parser:
     model.add_argument("--backend", choices=ops.BACKENDS, default=ops.backend(),
                        help="minfer: our CUDA kernels on a GPU; torch: the plain-PyTorch path of the same model "
                             "(default: %(default)s, or $MINFER_BACKEND)")
+    model.add_argument("--embedding", choices=("host", "gpu"), default=None,
+                       help="where the token embedding lives on a GPU run: host = pinned host memory, read one row "
+                            "per step over PCIe, vocab x hidden weights less GPU memory (default with --backend "
+                            "minfer; the torch backend keeps it on the gpu)")
     model.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                        help=f"context length: KV cache positions for prompt + generated tokens "
                             f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = pick_dtype(args.dtype, device)
     if args.max_new_tokens < 1:
         raise MinferError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.embedding == "host" and args.backend != "minfer":
+        raise MinferError("--embedding host needs --backend minfer (its kernel reads the table from host memory)")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     resolved = resolve(args.model, args.weights)
     config = resolved.config
@@ -116,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
                  f"beyond it print as ⁇.")
     model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
     sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note)
+    model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     generator = Generator(model, tokenizer, max_seq_len, device)
 
     if args.json:

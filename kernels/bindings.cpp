@@ -17,6 +17,7 @@
 #include "hgemm.h"
 #include "macko.h"
 #include "decode_attention.h"
+#include "embedding.h"
 #include "rms_norm.h"
 #include "rope.h"
 
@@ -148,6 +149,24 @@ void gemv(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const std::
     tuning.unroll = (int)unroll;
     minfer::launch_gemv(x.data_ptr(), w.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(w), fusion, tuning,
                         current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void embedding(const at::Tensor& table, const at::Tensor& tokens, at::Tensor& out) {
+    check_cuda_contiguous(tokens, "tokens");
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(table.dim() == 2 && table.is_contiguous(), "minfer.embedding: table must be a contiguous [V, D] matrix");
+    MINFER_CHECK((table.is_cuda() && table.device() == tokens.device()) || (table.is_cpu() && table.is_pinned()),
+                 "minfer.embedding: table must be on the tokens' GPU or in pinned host memory");
+    MINFER_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "minfer.embedding: tokens must be 1-D int64");
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens.size(0) && out.size(1) == table.size(1),
+                 "minfer.embedding: out must be [tokens, D]");
+    MINFER_CHECK(out.scalar_type() == table.scalar_type(), "minfer.embedding: out must have the table's dtype");
+    MINFER_CHECK(out.device() == tokens.device(), "minfer.embedding: out must be on the tokens' device");
+    MINFER_CHECK(tokens.size(0) <= INT32_MAX, "minfer.embedding: too many tokens");
+    const c10::cuda::CUDAGuard guard(tokens.device());
+    minfer::launch_embedding(table.data_ptr(), tokens.data_ptr<int64_t>(), out.data_ptr(), tokens.size(0),
+                             table.size(0), table.size(1) * (int64_t)table.element_size(), current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -418,6 +437,7 @@ TORCH_LIBRARY(minfer, m) {
           "int warps_per_block=0, int unroll=0, bool silu_mul=False) -> ()");
     m.def("hgemm(Tensor x, Tensor w, Tensor(a!) out) -> ()");
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
+    m.def("embedding(Tensor table, Tensor tokens, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
     m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
@@ -432,6 +452,7 @@ TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("gemv", &gemv);
     m.impl("hgemm", &hgemm);
     m.impl("hgemm_kernel", &hgemm_kernel);
+    m.impl("embedding", &embedding);
     m.impl("argmax", &argmax);
     m.impl("macko_spmv", &macko_spmv);
     m.impl("macko_decompress", &macko_decompress);

@@ -130,7 +130,9 @@ class Embedding(nn.Module):
         self.register_buffer("weight", torch.empty(vocab_size, hidden_size))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
+        if self.weight.device == tokens.device:
+            return F.embedding(tokens, self.weight)
+        return ops.embedding(self.weight, tokens)  # the table in pinned host memory (place_embedding)
 
 
 class RMSNorm(nn.Module):
@@ -224,6 +226,21 @@ class Transformer(nn.Module):
         self._tie_lm_head()
         return self
 
+    def place_embedding(self, where: str) -> None:
+        """Keep the token embedding on the "gpu" (with the rest of the model) or on the "host", in
+        page-locked memory that minfer's kernel reads over PCIe: one row per decode step (8 KB for
+        Llama-2-7B), and vocab x hidden weights less GPU memory (262 MB). A tied lm_head reads the
+        whole matrix every step, so a tied embedding stays where the model is."""
+        if where not in ("gpu", "host"):
+            raise MinferError(f"place_embedding: where must be 'gpu' or 'host', got {where!r}")
+        weight = self.embed_tokens.weight
+        if self.config.tie_word_embeddings or self.norm.weight.device.type != "cuda":
+            return
+        if where == "host" and weight.device.type != "cpu":
+            self.embed_tokens.weight = weight.cpu().pin_memory()
+        elif where == "gpu" and weight.device != self.norm.weight.device:
+            self.embed_tokens.weight = weight.to(self.norm.weight.device)
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Name -> tensor of every weight a checkpoint provides, in minfer names (a loader copies
         into these in place). Fused rows: qkv_proj = [q; k; v], gate_up_proj = [gate; up]."""
@@ -254,8 +271,8 @@ class Transformer(nn.Module):
                 f"max_seq_len {max_seq_len} exceeds the {limit} positions this model supports; "
                 f"use --max-seq-len {limit} or less"
             )
-        dtype = dtype or self.embed_tokens.weight.dtype
-        device = device or self.embed_tokens.weight.device
+        dtype = dtype or self.norm.weight.dtype
+        device = device or self.norm.weight.device
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_heads, self.config.num_kv_heads,
                                                max_seq_len, self.config.head_dim, dtype, device)
@@ -281,7 +298,7 @@ class Transformer(nn.Module):
             needs_mask = not decodes_with_kernel(tokens.shape[1], self.layers[0].self_attn.kv_cache, self.rope_cos)
         if needs_mask:  # built once here rather than converted from bool in every layer
             visible = self.positions[:kv_len] <= input_pos[:, None]
-            mask = torch.where(visible, 0.0, float("-inf")).to(self.embed_tokens.weight.dtype)
+            mask = torch.where(visible, 0.0, float("-inf")).to(self.norm.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)
         residual = self.embed_tokens(tokens)
         for layer in self.layers:

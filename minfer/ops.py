@@ -326,6 +326,33 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None, *, position: t
     return out
 
 
+def embedding_reference(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.embedding(tokens.to(table.device), table).to(tokens.device)
+
+
+@fake_impl("minfer::embedding")
+def _embedding_fake(table, tokens, out):
+    return None
+
+
+def embedding(table: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of `table` [V, D] for int64 `tokens` [...] -> [..., D] on the tokens' device.
+
+    With minfer's kernels the table may sit in pinned host memory: the GPU reads the rows it needs
+    over PCIe (one row per decode step), so the table costs no GPU memory. Without them (the torch
+    backend, or a CPU run) table and tokens must share a device."""
+    if out is None:
+        out = torch.empty(*tokens.shape, table.shape[1], dtype=table.dtype, device=tokens.device)
+    if use_kernels(tokens):
+        torch.ops.minfer.embedding(table, tokens.reshape(-1), out.view(-1, table.shape[1]))
+        return out
+    if table.device != tokens.device:
+        raise DeviceError(f"embedding: the table is on {table.device} and the tokens on {tokens.device}; only "
+                          "minfer's GPU kernel reads a table in host memory (keep it on the GPU for the torch backend)")
+    out.copy_(F.embedding(tokens, table))
+    return out
+
+
 MACKO_SPMM_MAX_TOKENS = 16  # kernels/macko.h: up to 16 tokens share one pass over the weights
 
 

@@ -123,6 +123,8 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--top-p", "0"], ["top_p must be in (0, 1]"]),
     (["--max-new-tokens", "0"], ["--max-new-tokens must be at least 1"]),
     (["--max-new-tokens", "many"], ["invalid int value"]),
+    (["--embedding", "host", "--backend", "torch"], ["--embedding host needs --backend minfer"]),
+    (["--embedding", "disk"], ["--embedding", "invalid choice"]),
 ])
 def test_bad_flag_values_in_process(capsys, args, fragments):
     """The same contract for flag values, through main() in this process."""

@@ -103,3 +103,23 @@ def test_decode_step_never_syncs():
         for pos in range(12, 20):
             generator._launch_step(pos, SAMPLED)
     torch.cuda.synchronize()
+
+
+@requires_cuda
+def test_embedding_in_host_memory_changes_nothing_but_memory():
+    """place_embedding("host"): the table's bytes leave the GPU, and generation gives the same tokens
+    as with the table on the GPU, graphs included."""
+    on_gpu, on_host = gpu_model(), gpu_model()
+    table_bytes = on_host.embed_tokens.weight.numel() * on_host.embed_tokens.weight.element_size()
+    before = torch.cuda.memory_allocated()
+    on_host.place_embedding("host")
+    assert before - torch.cuda.memory_allocated() >= table_bytes
+    assert on_host.embed_tokens.weight.is_pinned()
+    results = []
+    for model in (on_gpu, on_host):
+        generator = Generator(model, None, max_seq_len=512, device="cuda")
+        generator.eos_id = None
+        results.append(generator.generate(PROMPT, SAMPLED, max_new_tokens=20).tokens)
+    assert results[0] == results[1]
+    on_host.place_embedding("gpu")
+    assert on_host.embed_tokens.weight.is_cuda

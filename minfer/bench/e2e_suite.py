@@ -22,6 +22,7 @@ BACKENDS = ("minfer", "torch")
 COLUMNS = [
     Column("model", "model"),
     Column("backend", "backend"),
+    Column("embedding", "embedding"),
     Column("phase", "phase"),
     Column("tokens", "tokens"),
     Column("ms", "ms", "{:.1f}"),
@@ -38,9 +39,15 @@ def build_model(name: str, dtype: torch.dtype, seed: int = 0):
     return load_model(resolved, dtype, "cuda", seed=seed)
 
 
-def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int) -> dict:
+EMBEDDING_PLACES = ("host", "gpu")
+
+
+def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host") -> dict:
+    """Generation stats on `backend`; minfer reads the token embedding from `embedding` ("host":
+    pinned host memory, see Transformer.place_embedding), the torch backend always from the GPU."""
     previous = ops.backend()
     ops.set_backend(backend)
+    model.place_embedding(embedding if backend == "minfer" else "gpu")
     try:
         generator = Generator(model, None, len(prompt_ids) + new_tokens, "cuda")
         generator.eos_id = None
@@ -55,15 +62,16 @@ def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int)
 
 
 def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int = 256,
-        dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0) -> list[dict]:
+        dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0,
+        embedding: str = "host") -> list[dict]:
     model = build_model(model_name, dtype, seed)
     prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
     rows = []
     for backend in BACKENDS:
-        stats = measure_backend(model, backend, prompt_ids, new_tokens)
+        stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding)
         common = {"model": model_name, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
-                  "peak_mem_gb": stats["peak_mem_gb"]}
+                  "embedding": embedding if backend == "minfer" else "gpu", "peak_mem_gb": stats["peak_mem_gb"]}
         rows.append({**common, "phase": "prefill", "tokens": prompt_tokens, "ms": stats["prefill_ms"],
                      "tok_s": prompt_tokens / stats["prefill_ms"] * 1e3, "gb_s": None, "pct_copy": None})
         decode_gbs = stats["weight_gb_s"]

@@ -54,7 +54,7 @@ COLUMNS = {
         ("shape", "shape"), ("density", "d", "{:.1f}"), ("minfer_ms", "ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"),
         ("pct_copy", "% copy", "{:.1f}")]],
     "e2e": [report.Column(*c) for c in [
-        ("model", "model"), ("format", "weights"), ("weight_gb", "weights GB", "{:.2f}"),
+        ("model", "model"), ("format", "weights"), ("embedding", "embedding"), ("weight_gb", "weights GB", "{:.2f}"),
         ("decode_tok_s", "decode tok/s", "{:.1f}"), ("vs_dense", "vs dense", "{:.2f}x"),
         ("weight_gb_s", "weights GB/s", "{:.0f}"), ("pct_copy", "% copy", "{:.1f}"),
         ("prefill_ms", "prefill ms", "{:.1f}"), ("peak_mem_gb", "peak GB", "{:.2f}")]],
@@ -185,9 +185,10 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
 
 
 def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dtype: torch.dtype, copy_gbs: float,
-             on_row: Callable[[str, dict], None]) -> list[dict]:
+             on_row: Callable[[str, dict], None], embedding: str = "host") -> list[dict]:
     """Decode speed and memory of a random-weight model, dense and pruned by magnitude to each density
-    then stored as MACKO, on minfer's kernels (batch 1, the same prompt, EOS off)."""
+    then stored as MACKO, on minfer's kernels (batch 1, the same prompt, EOS off; the token embedding
+    on `embedding`, see Transformer.place_embedding)."""
     import gc
 
     from ..formats import convert
@@ -204,13 +205,13 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
         weight_gb = model.decode_weight_bytes() / 1e9
-        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens)
+        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding)
         del model
         gc.collect()
         torch.cuda.empty_cache()
         dense_tok_s = dense_tok_s or (stats["decode_tok_s"] if density == 1.0 else None)
         row = {"model": model_name, "density": density, "format": "dense" if density == 1.0 else f"macko d={density}",
-               "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs,
+               "embedding": embedding, "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs,
                "vs_dense": stats["decode_tok_s"] / dense_tok_s if dense_tok_s else None}
         rows.append(row)
         on_row("e2e", {**row, "shape": model_name, "minfer_ms": 1e3 / stats["decode_tok_s"]})
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
     parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
+    parser.add_argument("--embedding", choices=("host", "gpu"), default="host",
+                        help="e2e: where minfer keeps the token embedding (default host: pinned memory, "
+                             "one row read per step over PCIe)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH", help="e2e: write a PNG of decode speed and memory per density")
     args = parser.parse_args(argv)
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         done["e2e"] = []
         results["e2e"] = e2e_rows(args.model, [float(d) for d in args.densities.split(",")] if args.densities
                                   else E2E_DENSITIES, args.prompt_tokens, args.new_tokens, torch.float16, copy_gbs,
-                                  on_row)
+                                  on_row, args.embedding)
         if args.plot:
             plot_e2e(args.plot, results["e2e"], f"{args.model}, random weights pruned by magnitude, batch 1, "
                                                 f"{env.get('device')}")

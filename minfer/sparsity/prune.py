@@ -81,7 +81,7 @@ def prune_model_(model: nn.Module, density: float, method: str = "magnitude",
 def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_size: int, progress: bool) -> None:
     from ..model import Linear
 
-    device = model.embed_tokens.weight.device
+    device = model.norm.weight.device
     seq_len = tokens.shape[1]
     model.setup_caches(batch_size, seq_len)
     input_pos = torch.arange(seq_len, device=device)
