@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
+from minfer.model import EMBEDDING_PLACES  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--densities", type=density_list, default=None, metavar="D,...",
                         help="macko-e2e: densities, 1.0 meaning dense (default: "
                              f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)})")
-    parser.add_argument("--embedding", choices=e2e_suite.EMBEDDING_PLACES, default="host",
+    parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default="host",
                         help="e2e: where minfer keeps the token embedding (default host: pinned memory, one row "
                              "read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")

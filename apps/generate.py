@@ -32,6 +32,7 @@ from minfer.config import ALIASES  # noqa: E402
 from minfer.demo import DEMO_NAME  # noqa: E402
 from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator  # noqa: E402
+from minfer.model import EMBEDDING_PLACES  # noqa: E402
 from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
 from minfer.sampling import SamplingParams  # noqa: E402
 from minfer.sparsity import cli as sparsity_cli  # noqa: E402
@@ -65,7 +66,7 @@ def build_parser() -> Parser:
     model.add_argument("--backend", choices=ops.BACKENDS, default=ops.backend(),
                        help="minfer: our CUDA kernels on a GPU; torch: the plain-PyTorch path of the same model "
                             "(default: %(default)s, or $MINFER_BACKEND)")
-    model.add_argument("--embedding", choices=("host", "gpu"), default=None,
+    model.add_argument("--embedding", choices=EMBEDDING_PLACES, default=None,
                        help="where the token embedding lives on a GPU run: host = pinned host memory, read one row "
                             "per step over PCIe, vocab x hidden weights less GPU memory (default with --backend "
                             "minfer; the torch backend keeps it on the gpu)")

@@ -124,6 +124,9 @@ class Linear(nn.Module):
                                 silu_mul)
 
 
+EMBEDDING_PLACES = ("host", "gpu")  # Transformer.place_embedding
+
+
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
@@ -231,8 +234,8 @@ class Transformer(nn.Module):
         page-locked memory that minfer's kernel reads over PCIe: one row per decode step (8 KB for
         Llama-2-7B), and vocab x hidden weights less GPU memory (262 MB). A tied lm_head reads the
         whole matrix every step, so a tied embedding stays where the model is."""
-        if where not in ("gpu", "host"):
-            raise MinferError(f"place_embedding: where must be 'gpu' or 'host', got {where!r}")
+        if where not in EMBEDDING_PLACES:
+            raise MinferError(f"place_embedding: where must be one of {EMBEDDING_PLACES}, got {where!r}")
         weight = self.embed_tokens.weight
         if self.config.tie_word_embeddings or self.norm.weight.device.type != "cuda":
             return

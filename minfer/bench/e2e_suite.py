@@ -39,9 +39,6 @@ def build_model(name: str, dtype: torch.dtype, seed: int = 0):
     return load_model(resolved, dtype, "cuda", seed=seed)
 
 
-EMBEDDING_PLACES = ("host", "gpu")
-
-
 def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host") -> dict:
     """Generation stats on `backend`; minfer reads the token embedding from `embedding` ("host":
     pinned host memory, see Transformer.place_embedding), the torch backend always from the GPU."""

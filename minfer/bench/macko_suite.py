@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..model import EMBEDDING_PLACES
 from . import report
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
     parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
-    parser.add_argument("--embedding", choices=("host", "gpu"), default="host",
+    parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default="host",
                         help="e2e: where minfer keeps the token embedding (default host: pinned memory, "
                              "one row read per step over PCIe)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
