@@ -3,7 +3,7 @@
 `compress` turns a dense matrix into the reference library's three arrays (macko_spmv v0.2.0),
 array for array, vectorized in torch on the matrix's device. `MackoWeight` keeps them as buffers
 and multiplies with the SpMV/SpMM kernel for up to 16 tokens (decode, batched decode, speculative
-verification). Longer inputs (prefill) decompress blocks of rows into one 32 MB scratch buffer
+verification). Longer inputs (prefill) decompress blocks of rows into one 64 MB scratch buffer
 shared by every MACKO layer and run dense matmuls, so no dense copy of the model is ever kept.
 """
 
@@ -84,9 +84,10 @@ def concat_rows(parts: list[MackoArrays]) -> MackoArrays:
 
 
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-# Prefill decompresses at most this many weights at once (32 MB in fp16): a block of 4096 rows of
-# K = 4096, against 180 MB for Llama-2-7B's whole gate_up.
-PREFILL_SCRATCH_ELEMENTS = 16 * 1024 * 1024
+# Prefill decompresses at most this many weights at once (64 MB in fp16), in equal blocks of rows:
+# Llama-2-7B's gate_up (180 MB whole) in three blocks, o_proj whole.
+PREFILL_SCRATCH_ELEMENTS = 32 * 1024 * 1024
+ROW_ALIGN = 128  # rows
 
 
 def scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -160,7 +161,12 @@ class MackoWeight(WeightFormat):
         multiply it on tensor cores, so the scratch stays at PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.out_features, self.in_features
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
-        block = max(1, min(rows, PREFILL_SCRATCH_ELEMENTS // max(cols, 1)))
+        most = max(1, PREFILL_SCRATCH_ELEMENTS // max(cols, 1))  # rows that fit the scratch
+        if most >= ROW_ALIGN:
+            most -= most % ROW_ALIGN
+        block = -(-rows // -(-rows // most))  # about equal blocks, so no small last one
+        if block < rows and most >= ROW_ALIGN:  # starting on whole row steps: the matmuls' outputs stay aligned
+            block = min(most, -(-block // ROW_ALIGN) * ROW_ALIGN)
         for first in range(0, rows, block):
             last = min(rows, first + block)
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)
