@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
     sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note)
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
+    if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
+        note("NOTE: the embedding is tied to lm_head, which reads it every step: it stays on the GPU.")
     generator = Generator(model, tokenizer, max_seq_len, device)
 
     if args.json:

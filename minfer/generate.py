@@ -113,6 +113,7 @@ class Generator:
         self._handoff = self.device.type == "cpu" or ops.use_kernels(self._token)
         self._reader = _TokenReader(max_seq_len, self.device, self._handoff)
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graphs_table = 0  # the embedding table the graphs read (place_embedding may move it)
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
 
     # -- one decode step ---------------------------------------------------------------------------
@@ -190,6 +191,10 @@ class Generator:
         cuda = self.device.type == "cuda"
         if self.use_cuda_graph:
             start = time.perf_counter()
+            table = self.model.embed_tokens.weight.data_ptr()
+            if table != self._graphs_table:  # graphs hold raw pointers: recapture after a move
+                self._graphs.clear()
+                self._graphs_table = table
             for pos in range(n_prompt, n_prompt + limit - 1):
                 if (self._bucket(pos), params.kernel_key) not in self._graphs:
                     self._capture(self._bucket(pos), params)

@@ -233,16 +233,21 @@ class Transformer(nn.Module):
         """Keep the token embedding on the "gpu" (with the rest of the model) or on the "host", in
         page-locked memory that minfer's kernel reads over PCIe: one row per decode step (8 KB for
         Llama-2-7B), and vocab x hidden weights less GPU memory (262 MB). A tied lm_head reads the
-        whole matrix every step, so a tied embedding stays where the model is."""
+        whole matrix every step, so a tied embedding stays where the model is, as does a CPU model's.
+        Generators recapture their CUDA graphs after a move."""
         if where not in EMBEDDING_PLACES:
             raise MinferError(f"place_embedding: where must be one of {EMBEDDING_PLACES}, got {where!r}")
         weight = self.embed_tokens.weight
         if self.config.tie_word_embeddings or self.norm.weight.device.type != "cuda":
             return
-        if where == "host" and weight.device.type != "cpu":
-            self.embed_tokens.weight = weight.cpu().pin_memory()
+        if where == "host" and weight.device.type != "cpu":  # no pageable copy on the way
+            self.embed_tokens.weight = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True).copy_(weight)
         elif where == "gpu" and weight.device != self.norm.weight.device:
             self.embed_tokens.weight = weight.to(self.norm.weight.device)
+
+    def embedding_place(self) -> str:
+        """Where the token embedding is: "host" (pinned host memory) or "gpu" (the model's device)."""
+        return "host" if self.embed_tokens.weight.device != self.norm.weight.device else "gpu"
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Name -> tensor of every weight a checkpoint provides, in minfer names (a loader copies

@@ -34,6 +34,17 @@ def test_rows_copied_exactly(vocab, dim, where, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("where", ["host", "gpu"])
+def test_table_not_16_byte_aligned(where):
+    """A table view 2 bytes past an aligned start takes the 2-byte path, though its rows are whole vectors."""
+    storage = torch.randn(100 * 64 + 1).to(torch.float16)
+    storage = storage.pin_memory() if where == "host" else storage.cuda()
+    table = storage[1:].view(100, 64)
+    tokens = torch.tensor([0, 99, 42], device="cuda")
+    assert torch.equal(ops.embedding(table, tokens), ops.embedding_reference(table, tokens))
+
+
+@requires_cuda
 def test_host_table_in_a_cuda_graph_reads_new_tokens():
     table = torch.randn(1000, 64, dtype=torch.float16).pin_memory()
     tokens = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
@@ -53,7 +64,8 @@ def test_opcheck():
     table = torch.randn(40, 24, dtype=torch.float16).pin_memory()
     tokens = torch.tensor([1, 39, 0], device="cuda")
     out = torch.empty(3, 24, dtype=torch.float16, device="cuda")
-    torch.library.opcheck(torch.ops.minfer.embedding, (table.cuda(), tokens, out))
+    for where in (table, table.cuda()):
+        torch.library.opcheck(torch.ops.minfer.embedding, (where, tokens, out))
 
 
 @requires_cuda

@@ -102,7 +102,8 @@ def test_spmv_one_token_every_row(cols, density, warps_per_block):
     threshold = matrix.abs().float().topk(kept, dim=1).values[:, -1:]
     matrix[matrix.abs().float() < threshold] = 0
     matrix[50:53] = 0
-    matrix[4000, 1:] = 0
+    matrix[4000] = 0
+    matrix[4000, 7] = 1.5
     out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block)
     ref = x.double() @ matrix.double().T
     scale = x.double().abs() @ matrix.double().abs().T  # the sum of |terms|: no cancellation
@@ -180,15 +181,17 @@ def test_weight_forward_decode_and_prefill_paths(tokens):
     assert torch.equal(weight.to_dense(), matrix)
 
 
-@pytest.mark.parametrize("block_rows", [1, 7, 96])
-def test_prefill_decompresses_blocks_of_rows(monkeypatch, block_rows):
+@pytest.mark.parametrize("rows, block_rows", [(96, 1), (96, 7), (96, 96), (300, 128)])
+def test_prefill_decompresses_blocks_of_rows(monkeypatch, rows, block_rows):
     """Prefill decompresses at most PREFILL_SCRATCH_ELEMENTS weights at a time: single rows, blocks
-    with a ragged last one, and the whole matrix give the same product."""
+    with a ragged last one, the whole matrix, and 128-row steps (blocks of 128, 128, 44) give the
+    same product."""
     monkeypatch.setattr(macko_format, "PREFILL_SCRATCH_ELEMENTS", block_rows * 520)
-    matrix = sparse_matrix(96, 520, 0.3, seed=block_rows)
+    matrix = sparse_matrix(rows, 520, 0.3, seed=block_rows)
     weight = MackoWeight.from_dense(matrix)
     x = torch.randn(40, 520, device="cuda", dtype=torch.float16)
     out = weight(x)
+    assert out.shape == (40, rows)
     assert relative_error(out, matrix, x) < 2e-3
 
 

@@ -69,7 +69,7 @@ def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int
     for backend in BACKENDS:
         stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding)
         common = {"model": model_name, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
-                  "embedding": embedding if backend == "minfer" else "gpu",
+                  "embedding": model.embedding_place(),
                   "peak_mem_gb": stats["peak_mem_gb"] - held_before / 1e9}
         rows.append({**common, "phase": "prefill", "tokens": prompt_tokens, "ms": stats["prefill_ms"],
                      "tok_s": prompt_tokens / stats["prefill_ms"] * 1e3, "gb_s": None, "pct_copy": None})

@@ -90,6 +90,11 @@ PREFILL_SCRATCH_ELEMENTS = 32 * 1024 * 1024
 ROW_ALIGN = 128  # rows
 
 
+def release_scratch() -> None:
+    """Free the decompression buffers (the next prefill allocates them again)."""
+    _scratch.clear()
+
+
 def scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [rows, cols] view of the one decompression buffer per device and dtype (grown on demand).
 
@@ -161,6 +166,8 @@ class MackoWeight(WeightFormat):
         multiply it on tensor cores, so the scratch stays at PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.out_features, self.in_features
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
+        if rows == 0:
+            return out
         most = max(1, PREFILL_SCRATCH_ELEMENTS // max(cols, 1))  # rows that fit the scratch
         if most >= ROW_ALIGN:
             most -= most % ROW_ALIGN
