@@ -61,11 +61,12 @@ def test_host_table_in_a_cuda_graph_reads_new_tokens():
 
 @requires_cuda
 def test_opcheck():
-    table = torch.randn(40, 24, dtype=torch.float16).pin_memory()
+    table = torch.randn(40, 24, dtype=torch.float16)
     tokens = torch.tensor([1, 39, 0], device="cuda")
     out = torch.empty(3, 24, dtype=torch.float16, device="cuda")
-    for where in (table, table.cuda()):
-        torch.library.opcheck(torch.ops.minfer.embedding, (where, tokens, out))
+    # opcheck copies its inputs, and a copy of a pinned tensor is pageable (which the op refuses):
+    # the pinned table is covered by the tests above.
+    torch.library.opcheck(torch.ops.minfer.embedding, (table.cuda(), tokens, out))
 
 
 @requires_cuda
