@@ -158,9 +158,7 @@ void embedding(const at::Tensor& table, const at::Tensor& tokens, at::Tensor& ou
     MINFER_CHECK(table.dim() == 2 && table.is_contiguous(), "minfer.embedding: table must be a contiguous [V, D] matrix");
     MINFER_CHECK((table.is_cuda() && table.device() == tokens.device()) || (table.is_cpu() && table.is_pinned()),
                  "minfer.embedding: table must be on the tokens' GPU or in pinned host memory");
-    MINFER_CHECK(table.scalar_type() == at::kHalf || table.scalar_type() == at::kBFloat16 ||
-                     table.scalar_type() == at::kFloat,
-                 "minfer.embedding: table must be float16, bfloat16 or float32, got ", table.scalar_type());
+    dtype_of(table);  // refuses anything but float16, bfloat16 and float32
     MINFER_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "minfer.embedding: tokens must be 1-D int64");
     MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens.size(0) && out.size(1) == table.size(1),
                  "minfer.embedding: out must be [tokens, D]");

@@ -39,9 +39,16 @@ def build_model(name: str, dtype: torch.dtype, seed: int = 0):
     return load_model(resolved, dtype, "cuda", seed=seed)
 
 
-def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host") -> dict:
+def memory_held() -> int:
+    """Bytes this process holds on the GPU before a model is built (what earlier suites left)."""
+    return torch.cuda.memory_allocated()
+
+
+def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host",
+                    held_before: int = 0) -> dict:
     """Generation stats on `backend`; minfer reads the token embedding from `embedding` ("host":
-    pinned host memory, see Transformer.place_embedding), the torch backend always from the GPU."""
+    pinned host memory, see Transformer.place_embedding), the torch backend always from the GPU.
+    `peak_mem_gb` leaves out `held_before` bytes (see memory_held)."""
     previous = ops.backend()
     ops.set_backend(backend)
     model.place_embedding(embedding if backend == "minfer" else "gpu")
@@ -55,22 +62,24 @@ def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int,
         ops.set_backend(previous)
         gc.collect()
         torch.cuda.empty_cache()
-    return result.stats.as_dict()
+    stats = result.stats.as_dict()
+    stats["peak_mem_gb"] -= held_before / 1e9
+    return stats
 
 
 def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int = 256,
         dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0,
         embedding: str = "host") -> list[dict]:
-    held_before = torch.cuda.memory_allocated()  # what earlier suites in this process still hold
+    held_before = memory_held()
     model = build_model(model_name, dtype, seed)
     prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
     rows = []
     for backend in BACKENDS:
-        stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding)
+        stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding, held_before)
         common = {"model": model_name, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
                   "embedding": model.embedding_place(),
-                  "peak_mem_gb": stats["peak_mem_gb"] - held_before / 1e9}
+                  "peak_mem_gb": stats["peak_mem_gb"]}
         rows.append({**common, "phase": "prefill", "tokens": prompt_tokens, "ms": stats["prefill_ms"],
                      "tok_s": prompt_tokens / stats["prefill_ms"] * 1e3, "gb_s": None, "pct_copy": None})
         decode_gbs = stats["weight_gb_s"]

@@ -203,7 +203,7 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         release_scratch()  # the previous model's prefill buffer belongs to its own peak
         gc.collect()
         torch.cuda.empty_cache()
-        held_before = torch.cuda.memory_allocated()  # what earlier suites in this process still hold
+        held_before = e2e_suite.memory_held()
         model = e2e_suite.build_model(model_name, dtype)
         if density < 1.0:
             prune_model_(model, density, "magnitude", progress=False)
@@ -212,8 +212,7 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
         weight_gb = model.decode_weight_bytes() / 1e9
-        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding)
-        stats["peak_mem_gb"] -= held_before / 1e9
+        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
         placed = model.embedding_place()  # a tied embedding stays on the GPU whatever was asked
         del model
         gc.collect()
