@@ -14,12 +14,18 @@ def linear_reference64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def fused_linear_reference64(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                             residual: torch.Tensor | None, silu_mul: bool = False) -> torch.Tensor:
+                             residual: torch.Tensor | None, silu_mul: bool = False,
+                             round_scaled_x: bool = False) -> torch.Tensor:
     """residual + RMSNorm(x; norm_weight, eps) @ w.T in float64 (either part optional); with `silu_mul`,
-    w is [gate; up] and silu(gate) * up of the product replaces it."""
+    w is [gate; up] and silu(gate) * up of the product replaces it. `round_scaled_x` rounds
+    norm_weight * x to x's dtype before the product, as the fused GEMV does (its one rounding step:
+    without it a few outputs whose dot products cancel can miss a norm-wise bound)."""
     x64 = x.double()
     if norm_weight is not None:
-        x64 = x64 * torch.rsqrt(x64.square().mean(dim=-1, keepdim=True) + eps) * norm_weight.double()
+        scaled = x64 * norm_weight.double()
+        if round_scaled_x:
+            scaled = scaled.to(x.dtype).double()
+        x64 = scaled * torch.rsqrt(x64.square().mean(dim=-1, keepdim=True) + eps)
     y = x64 @ w.double().t()
     if silu_mul:
         gate, up = y.chunk(2, dim=-1)

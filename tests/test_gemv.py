@@ -133,7 +133,7 @@ def test_fused_gemv_matches_float64(n, k, tokens, dtype, norm, accumulate):
     """RMSNorm of x (scale from the loaded x, applied in the epilogue) and the in-place residual add,
     on the tensor-core path and the scalar fallback (K % 8 != 0)."""
     x, w, g, out = fused_problem(tokens, n, k, dtype, norm, accumulate)
-    expected = fused_linear_reference64(x, w, g, 1e-5, out.clone() if accumulate else None)
+    expected = fused_linear_reference64(x, w, g, 1e-5, out.clone() if accumulate else None, round_scaled_x=True)
     ops.gemv(x, w, out=out, norm_weight=g, eps=1e-5, accumulate=accumulate)
     assert not out.isnan().any(), "some outputs were never written"
     assert rel_error(out, expected) < TOLERANCE[dtype]
@@ -151,7 +151,8 @@ def test_fused_gemv_every_launch_configuration(warps, unroll):
 # (I, K) of [gate; up] matrices [2I, K]: I off the 8-row half tile, every launch shape, the scalar path
 # (K of a few hundred at least: with the norm, g * x is rounded to the dtype, and bf16 needs the averaging).
 # (5, 264): a partial tile of gate rows. A norm-wise error over one output is ill-conditioned when its
-# gate's dot product cancels, so no shape has a single output row.
+# gate's dot product cancels, so no shape has a single output row, and with the norm the oracle rounds
+# g * x as the kernel does (bf16 at (5, 264) missed the bound by 0.2% once otherwise, H100).
 SILU_SHAPES = [(5, 264), (37, 1000), (688, 4096), (300, 4104), (5504, 4096), (64, 11008), (21, 1001)]
 
 
@@ -178,7 +179,7 @@ def test_silu_mul_gemv_matches_float64(inter, k, tokens, dtype, norm):
     assert not out.isnan().any(), "some outputs were never written"
     # Without the norm, gate and up are rounded to the dtype before the silu_mul kernel: twice the error.
     tolerance = TOLERANCE[dtype] * (1 if norm else 2)
-    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, None, silu_mul=True)) < tolerance
+    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, None, silu_mul=True, round_scaled_x=True)) < tolerance
 
 
 @requires_cuda
