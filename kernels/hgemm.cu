@@ -11,16 +11,14 @@ struct KernelChoice {
     const char* name;
     bool sm90;    // false: the sm80 path
     int tile;     // 0: the path chooses; else BM (sm80) or BN (sm90)
-    int cluster;  // sm90: CTAs per cluster sharing W tiles
-    int split;    // sm90: CTAs per cluster splitting K
+    int cluster;  // sm90: CTAs per cluster
 };
 
 constexpr KernelChoice kKernels[] = {
-    {"sm80", false, 0, 1, 1},            {"sm80_64x128", false, 64, 1, 1},    {"sm80_128x128", false, 128, 1, 1},
-    {"sm90", true, 0, 1, 1},             {"sm90_128x64", true, 64, 1, 1},     {"sm90_128x128", true, 128, 1, 1},
-    {"sm90_128x192", true, 192, 1, 1},   {"sm90_128x256", true, 256, 1, 1},   {"sm90_128x128_c2", true, 128, 2, 1},
-    {"sm90_128x192_c2", true, 192, 2, 1}, {"sm90_128x256_c2", true, 256, 2, 1}, {"sm90_128x192_k2", true, 192, 1, 2},
-    {"sm90_128x256_k2", true, 256, 1, 2}, {"sm90_128x256_k3", true, 256, 1, 3},
+    {"sm80", false, 0, 1},           {"sm80_64x128", false, 64, 1},    {"sm80_128x128", false, 128, 1},
+    {"sm90", true, 0, 1},            {"sm90_128x64", true, 64, 1},     {"sm90_128x128", true, 128, 1},
+    {"sm90_128x192", true, 192, 1},  {"sm90_128x256", true, 256, 1},   {"sm90_128x128_c2", true, 128, 2},
+    {"sm90_128x192_c2", true, 192, 2}, {"sm90_128x256_c2", true, 256, 2},
 };
 
 }  // namespace
@@ -36,7 +34,7 @@ const char* launch_hgemm(const void* x, const void* w, void* y, int64_t m, int64
     if (k == 0) return "K must be positive";
 
     bool sm90 = false;
-    int tile = 0, cluster = 1, split = 1;
+    int tile = 0, cluster = 1;
     if (std::strcmp(kernel, "auto") == 0) {
         sm90 = hgemm_sm90_available();
     } else {
@@ -45,15 +43,13 @@ const char* launch_hgemm(const void* x, const void* w, void* y, int64_t m, int64
             if (std::strcmp(kernel, c.name) == 0) choice = &c;
         if (choice == nullptr)
             return "unknown kernel; use auto, sm80, sm80_64x128, sm80_128x128, sm90, sm90_128x64, sm90_128x128, "
-                   "sm90_128x192, sm90_128x256, sm90_128x128_c2, sm90_128x192_c2, sm90_128x256_c2, "
-                   "sm90_128x192_k2, sm90_128x256_k2 or sm90_128x256_k3";
+                   "sm90_128x192, sm90_128x256, sm90_128x128_c2, sm90_128x192_c2 or sm90_128x256_c2";
         sm90 = choice->sm90;
         tile = choice->tile;
         cluster = choice->cluster;
-        split = choice->split;
     }
     const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
-    return sm90 ? launch_hgemm_sm90(x, w, y, mi, ni, ki, dtype, tile, cluster, split, stream)
+    return sm90 ? launch_hgemm_sm90(x, w, y, mi, ni, ki, dtype, tile, cluster, stream)
                 : launch_hgemm_sm80(x, w, y, mi, ni, ki, dtype, tile, stream);
 }
 

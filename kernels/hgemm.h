@@ -8,19 +8,18 @@ namespace minfer {
 
 // Kernel names: "auto" picks by device and shape; "sm80" / "sm90" pin a path and let it pick the tile;
 // "sm80_64x128", "sm80_128x128", "sm90_128x64", "sm90_128x128", "sm90_128x192", "sm90_128x256" pin
-// one tile (BMxBN); "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2" one tile run by
-// clusters of 2 CTAs that share W loads; "sm90_128x192_k2", "sm90_128x256_k2", "sm90_128x256_k3" one
-// tile with K split over a cluster of 2 or 3 CTAs (split-K), for tests and benchmarks. Returns
-// nullptr on success, else what is wrong.
+// one tile (BMxBN), and "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2" one tile run by
+// clusters of 2 CTAs that share W loads, for tests and benchmarks. Returns nullptr on success,
+// else what is wrong.
 const char* launch_hgemm(const void* x, const void* w, void* y, int64_t m, int64_t n, int64_t k, DType dtype,
                          const char* kernel, cudaStream_t stream);
 
 // The per-path launchers behind it. tile 0 lets the path choose; otherwise the tile's M (sm80) or N
-// (sm90), and for sm90 the W-sharing cluster size (1 or 2) and the split-K factor (1, 2 or 3).
+// (sm90), and for sm90 the cluster size (1 or 2).
 const char* launch_hgemm_sm80(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_m,
                               cudaStream_t stream);
 const char* launch_hgemm_sm90(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
-                              int cluster, int split, cudaStream_t stream);
+                              int cluster, cudaStream_t stream);
 
 // True when the current device is an sm_90 part and this build holds the sm_90a kernels for it.
 bool hgemm_sm90_available();

@@ -12,13 +12,6 @@
 // tile: each loads half of it and multicasts that half into both CTAs' shared memory, so W moves
 // from L2 once per pair. A stage is then free only when the consumers of both CTAs are done with
 // it, so consumers also arrive on the peer CTA's `empty` barrier.
-//
-// With SPLIT > 1 (split-K), a cluster of SPLIT CTAs computes one tile, CTA r over the r-th of
-// SPLIT equal ranges of k-blocks: for shapes with too few tiles to fill the GPU with wide tiles
-// (M = 512, N = 4096: 64 tiles of 128 x 256 on 132 SMs). Each CTA r > 0 parks its fp32
-// accumulators in its own (idle) stage ring and signals CTA 0, which reads them through
-// distributed shared memory in rank order (deterministic), adds them and stores the tile. CTA r's
-// producer starts its next tile only once CTA 0 has read the ring.
 #include <cuda.h>  // CUtensorMap and its enums only: the driver entry point is fetched at run time
 #include <cudaTypedefs.h>
 
@@ -52,14 +45,12 @@ struct Sm90Tile {
     static constexpr int kStageBytes = kStageA + BN * kBK * 2;
     static constexpr int kEpiTotal = 2 * 2 * kEpiBytes;  // two buffers per consumer warpgroup
     static constexpr int kSlack = 1024;                   // to align the dynamic buffer to 1024 B
-    static constexpr int kBarrierBytes = 2 * 8 * 8 + 16;  // up to 8 stages x (full, empty), split-K hand-off
+    static constexpr int kBarrierBytes = 2 * 8 * 8;       // up to 8 stages x (full, empty)
     static constexpr int kFit = (kSmemLimit - kEpiTotal - kSlack - kBarrierBytes) / kStageBytes;
     static constexpr int kStages = kFit < 8 ? kFit : 8;
     static constexpr int kSmemBytes = kSlack + kStages * kStageBytes + kEpiTotal + kBarrierBytes;
     static_assert(BN % kEpiCols == 0 && BN <= 256, "wgmma N is at most 256; epilogue works in 64 columns");
     static_assert(kStages >= 3, "too little shared memory for a pipeline");
-    static constexpr int kPartialBytes = kBM * BN * 4;  // a split-K partial tile, parked in the ring
-    static_assert(kPartialBytes <= kStages * kStageBytes, "a split-K partial must fit the stage ring");
 };
 
 #ifdef MINFER_SM90A
@@ -119,50 +110,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) 
         "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
         "r"(cta)
         : "memory");
-}
-
-// The same with release semantics at cluster scope: this thread's earlier shared-memory accesses
-// (its partial's stores, or its reads of a peer's partial) are visible to whoever acquires the phase.
-__device__ __forceinline__ void mbar_arrive_cluster_release(uint32_t bar, uint32_t cta) {
-    asm volatile(
-        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-        "r"(cta)
-        : "memory");
-}
-
-// mbar_wait that acquires at cluster scope: the peer CTAs' accesses released into the phase are visible.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
-
-// This CTA's shared address `addr` seen in CTA `cta` of the cluster.
-__device__ __forceinline__ uint32_t cluster_address(uint32_t addr, uint32_t cta) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(cta));
-    return remote;
-}
-
-__device__ __forceinline__ float4 load_cluster_f4(uint32_t addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void store_shared_f4(uint32_t addr, float a, float b, float c, float d) {
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d)
-                 : "memory");
 }
 
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -289,15 +236,13 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, u
 
 #endif  // MINFER_SM90A
 
-template <typename T, int BN, int CLUSTER, int SPLIT>
+template <typename T, int BN, int CLUSTER>
 __global__ void __launch_bounds__(kThreads, 1)
     hgemm_sm90_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                       const __grid_constant__ CUtensorMap map_y, int M, int N, int K) {
 #ifdef MINFER_SM90A
-    static_assert(CLUSTER == 1 || SPLIT == 1, "a cluster either shares W tiles or splits K");
     using Tile = Sm90Tile<BN>;
     constexpr int S = Tile::kStages;
-    constexpr int kCtas = CLUSTER * SPLIT;  // CTAs per cluster
     constexpr int kRowsW = BN / CLUSTER;  // rows of the W tile this CTA loads (and multicasts)
     extern __shared__ uint8_t smem_raw[];
     // 128-byte swizzle atoms repeat every 1024 bytes: stages and epilogue buffers start on 1024.
@@ -305,25 +250,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t epi_base = base + S * Tile::kStageBytes;
     const uint32_t full_bar = epi_base + Tile::kEpiTotal;  // S barriers of 8 bytes
     const uint32_t empty_bar = full_bar + S * 8;
-    // Split-K: in CTA 0, the partials of the other CTAs are parked (one arrival per consumer warp of
-    // each); in CTA r > 0, CTA 0 has read this CTA's partial (one arrival per consumer warp of CTA 0).
-    const uint32_t partial_bar = empty_bar + S * 8;
 
     const int warpgroup = threadIdx.x / 128;
-    const int rank = kCtas > 1 ? static_cast<int>(cluster_rank()) : 0;
-    const int w_share = CLUSTER > 1 ? rank : 0;  // which slice of the shared W tile this CTA loads
+    const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
     const int tiles_m = (M + kBM - 1) / kBM, tiles_n = (N + BN - 1) / BN;
-    // A work unit is CLUSTER vertically adjacent tiles sharing one W tile; CTA `rank` takes one of
-    // them. With SPLIT, a unit is one tile and CTA `rank` takes k-blocks [kb_begin, kb_end) of it.
+    // A work unit is CLUSTER vertically adjacent tiles sharing one W tile; CTA `rank` takes one of them.
     const int units_m = (tiles_m + CLUSTER - 1) / CLUSTER;
     const int num_units = units_m * tiles_n;
-    const int first_unit = blockIdx.x / kCtas, unit_step = gridDim.x / kCtas;
+    const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
     const int num_k = (K + kBK - 1) / kBK;
-    const int kb_begin = SPLIT > 1 ? num_k * rank / SPLIT : 0;
-    const int kb_end = SPLIT > 1 ? num_k * (rank + 1) / SPLIT : num_k;
     auto tile_of = [&](int unit) {
         const TileCoord u = tile_coord(unit, units_m, tiles_n, kBand / CLUSTER);
-        return TileCoord{u.m * CLUSTER + w_share, u.n};
+        return TileCoord{u.m * CLUSTER + rank, u.n};
     };
 
     if (threadIdx.x == 0) {
@@ -331,10 +269,9 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
             mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
         }
-        if constexpr (SPLIT > 1) mbar_init(partial_bar, rank == 0 ? 8 * (SPLIT - 1) : 8);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    if constexpr (kCtas > 1) {
+    if constexpr (CLUSTER > 1) {
         cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them
     } else {
         __syncthreads();
@@ -344,22 +281,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0) {
             int it = 0;  // k-blocks issued so far: stage it % S, ring pass it / S
-            int done = 0;  // tiles issued so far
-            for (int unit = first_unit; unit < num_units; unit += unit_step, ++done) {
+            for (int unit = first_unit; unit < num_units; unit += unit_step) {
                 const TileCoord tile = tile_of(unit);
-                if (SPLIT > 1 && rank > 0 && done > 0) {  // the previous tile's partial still fills the ring
-                    mbar_wait_cluster(partial_bar, (done - 1) & 1);
-                    fence_proxy_async();
-                }
-                for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
+                for (int kb = 0; kb < num_k; ++kb, ++it) {
                     const int s = it % S;
                     mbar_wait(empty_bar + 8 * s, ((it / S) & 1) ^ 1);
                     const uint32_t stage = base + s * Tile::kStageBytes;
-                    const uint32_t w_rows = stage + Tile::kStageA + w_share * kRowsW * 128;
+                    const uint32_t w_rows = stage + Tile::kStageA + rank * kRowsW * 128;
                     mbar_arrive_expect_tx(full_bar + 8 * s, Tile::kStageBytes);  // X tile + the whole W tile
                     tma_load(stage, &map_x, kb * kBK, tile.m * kBM, full_bar + 8 * s);
                     if constexpr (CLUSTER > 1) {
-                        tma_load_multicast(w_rows, &map_w, kb * kBK, tile.n * BN + w_share * kRowsW, full_bar + 8 * s,
+                        tma_load_multicast(w_rows, &map_w, kb * kBK, tile.n * BN + rank * kRowsW, full_bar + 8 * s,
                                            (1u << CLUSTER) - 1);
                     } else {
                         tma_load(w_rows, &map_w, kb * kBK, tile.n * BN, full_bar + 8 * s);
@@ -385,16 +317,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         };
         float acc[BN / 2] = {};
-        int it = 0;    // k-blocks consumed so far
-        int epi = 0;   // epilogue chunks stored so far: buffer epi % 2
-        int done = 0;  // tiles finished so far
-        for (int unit = first_unit; unit < num_units; unit += unit_step, ++done) {
+        int it = 0;   // k-blocks consumed so far
+        int epi = 0;  // epilogue chunks stored so far: buffer epi % 2
+        for (int unit = first_unit; unit < num_units; unit += unit_step) {
             const TileCoord tile = tile_of(unit);
-            if (kb_end == kb_begin) {  // split-K with fewer k-blocks than CTAs: this part is zero
-#pragma unroll
-                for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-            }
-            for (int kb = kb_begin; kb < kb_end; ++kb, ++it) {
+            for (int kb = 0; kb < num_k; ++kb, ++it) {
                 const int s = it % S;
                 mbar_wait(full_bar + 8 * s, (it / S) & 1);
                 const uint32_t stage = base + s * Tile::kStageBytes;
@@ -402,53 +329,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const uint64_t desc_b = smem_descriptor(stage + Tile::kStageA);
                 wgmma_fence();
 #pragma unroll
-                for (int k = 0; k < kBK / 16; ++k)
-                    wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > kb_begin || k > 0);
+                for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > 0 || k > 0);
                 wgmma_commit();
-                if (kb > kb_begin) {  // the previous k-block's wgmmas are done: hand its stage back
+                if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
                     wgmma_wait<1>();
                     release((it - 1) % S);
                 }
             }
             wgmma_wait<0>();
             fence_registers(acc);
-            if (kb_end > kb_begin) release((it - 1) % S);
-
-            if constexpr (SPLIT > 1) {
-                // Thread (consumer, t128) parks / finds its accumulators as float4 j at index
-                // j * 256 + consumer * 128 + t128 of the ring: each warp moves 512 contiguous bytes.
-                const uint32_t own = base + (consumer * 128 + t128) * 16;
-                if (rank > 0) {  // all of this CTA's stages were consumed, and its producer waits
-#pragma unroll
-                    for (int j = 0; j < BN / 8; ++j)
-                        store_shared_f4(own + j * 256 * 16, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-                    fence_proxy_async();  // the next TMA loads overwrite these stores
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive_cluster_release(partial_bar, 0);
-                    continue;  // CTA 0 stores the tile
-                }
-                mbar_wait_cluster(partial_bar, done & 1);
-#pragma unroll 1
-                for (int r = 1; r < SPLIT; ++r) {
-                    const uint32_t peer = cluster_address(own, r);
-                    constexpr int kBatch = 8;  // float4 loads in flight per thread
-#pragma unroll
-                    for (int j0 = 0; j0 < BN / 8; j0 += kBatch) {
-                        float4 part[kBatch];
-#pragma unroll
-                        for (int j = 0; j < kBatch; ++j) part[j] = load_cluster_f4(peer + (j0 + j) * 256 * 16);
-#pragma unroll
-                        for (int j = 0; j < kBatch; ++j) {
-                            acc[4 * (j0 + j)] += part[j].x;
-                            acc[4 * (j0 + j) + 1] += part[j].y;
-                            acc[4 * (j0 + j) + 2] += part[j].z;
-                            acc[4 * (j0 + j) + 3] += part[j].w;
-                        }
-                    }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive_cluster_release(partial_bar, r);
-                }
-            }
+            release((it - 1) % S);
 
             // Epilogue, 64 columns at a time: registers -> swizzled shared buffer (stmatrix) -> TMA store.
             // Accumulator layout: d[4 j + {0,1}] at row lane / 4, d[4 j + {2,3}] at row lane / 4 + 8,
@@ -478,9 +368,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (t128 == 0) tma_store_wait_all();
     }
-    if constexpr (kCtas > 1) {
+    if constexpr (CLUSTER > 1) {
         __syncwarp();
-        cluster_sync();  // no CTA leaves while a peer may still signal its barriers or read its ring
+        cluster_sync();  // no CTA leaves while its peer may still signal its barriers
     }
 #endif
 }
@@ -564,12 +454,11 @@ int resident_clusters(int device) {
     return clusters;
 }
 
-template <typename T, int BN, int CLUSTER, int SPLIT = 1>
+template <typename T, int BN, int CLUSTER>
 const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int k, DType dtype,
                         cudaStream_t stream) {
     using Tile = Sm90Tile<BN>;
-    constexpr auto kernel = hgemm_sm90_kernel<T, BN, CLUSTER, SPLIT>;
-    constexpr int kCtas = CLUSTER * SPLIT;
+    constexpr auto kernel = hgemm_sm90_kernel<T, BN, CLUSTER>;
     if (!opt_in_shared_memory<kernel>(Tile::kSmemBytes))
         return "this GPU cannot give the sm90 HGEMM kernel the shared memory it needs";
     CUtensorMap map_x, map_w, map_y;
@@ -578,16 +467,16 @@ const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int
         return "cuTensorMapEncodeTiled failed (driver too old for TMA, or a pointer not 16-byte aligned)";
     const int device = current_device();
     const int units = ((m + kBM * CLUSTER - 1) / (kBM * CLUSTER)) * ((n + BN - 1) / BN);
-    const int resident = kCtas > 1 ? resident_clusters<kernel, kCtas, Tile::kSmemBytes>(device)
-                                   : multiprocessors(device);
+    const int resident = CLUSTER > 1 ? resident_clusters<kernel, CLUSTER, Tile::kSmemBytes>(device)
+                                     : multiprocessors(device);
     cudaLaunchConfig_t config = {};
-    cudaLaunchAttribute attr = cluster_dimension(kCtas);
-    config.gridDim = dim3(kCtas * (units < resident ? units : resident));  // persistent: one CTA per SM
+    cudaLaunchAttribute attr = cluster_dimension(CLUSTER);
+    config.gridDim = dim3(CLUSTER * (units < resident ? units : resident));  // persistent: one CTA per SM
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = Tile::kSmemBytes;
     config.stream = stream;
     config.attrs = &attr;
-    config.numAttrs = kCtas > 1 ? 1 : 0;
+    config.numAttrs = CLUSTER > 1 ? 1 : 0;
     if (cudaLaunchKernelEx(&config, kernel, map_x, map_w, map_y, m, n, k) != cudaSuccess)
         return "launching the sm90 HGEMM kernel failed";
     return nullptr;
@@ -619,23 +508,19 @@ int choose_tile_n(int m, int n, int sms) {
 
 template <typename T>
 const char* launch_typed(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
-                         int cluster, int split, cudaStream_t stream) {
+                         int cluster, cudaStream_t stream) {
     if (tile_n == 0) {
         tile_n = choose_tile_n(m, n, multiprocessors(current_device()));
         cluster = 1;
-        split = 1;
     }
-    switch (split * 10000 + cluster * 1000 + tile_n) {
-        case 11064: return launch_tile<T, 64, 1>(x, w, y, m, n, k, dtype, stream);
-        case 11128: return launch_tile<T, 128, 1>(x, w, y, m, n, k, dtype, stream);
-        case 11192: return launch_tile<T, 192, 1>(x, w, y, m, n, k, dtype, stream);
-        case 11256: return launch_tile<T, 256, 1>(x, w, y, m, n, k, dtype, stream);
-        case 12128: return launch_tile<T, 128, 2>(x, w, y, m, n, k, dtype, stream);
-        case 12192: return launch_tile<T, 192, 2>(x, w, y, m, n, k, dtype, stream);
-        case 12256: return launch_tile<T, 256, 2>(x, w, y, m, n, k, dtype, stream);
-        case 21192: return launch_tile<T, 192, 1, 2>(x, w, y, m, n, k, dtype, stream);
-        case 21256: return launch_tile<T, 256, 1, 2>(x, w, y, m, n, k, dtype, stream);
-        case 31256: return launch_tile<T, 256, 1, 3>(x, w, y, m, n, k, dtype, stream);
+    switch (cluster * 1000 + tile_n) {
+        case 1064: return launch_tile<T, 64, 1>(x, w, y, m, n, k, dtype, stream);
+        case 1128: return launch_tile<T, 128, 1>(x, w, y, m, n, k, dtype, stream);
+        case 1192: return launch_tile<T, 192, 1>(x, w, y, m, n, k, dtype, stream);
+        case 1256: return launch_tile<T, 256, 1>(x, w, y, m, n, k, dtype, stream);
+        case 2128: return launch_tile<T, 128, 2>(x, w, y, m, n, k, dtype, stream);
+        case 2192: return launch_tile<T, 192, 2>(x, w, y, m, n, k, dtype, stream);
+        case 2256: return launch_tile<T, 256, 2>(x, w, y, m, n, k, dtype, stream);
         default: return "unknown sm90 HGEMM tile";
     }
 }
@@ -651,7 +536,7 @@ bool hgemm_sm90_available() {
         cudaFuncAttributes attr;
         // sm_90 machine code compiled from sm_90a PTX (the #error above rules out plain sm_90).
         const bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256, 1, 1>) == cudaSuccess &&
+                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256, 1>) == cudaSuccess &&
                         attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_tiled() != nullptr;
         state = ok ? 2 : 1;
         cached[device].store(state, std::memory_order_relaxed);
@@ -660,12 +545,12 @@ bool hgemm_sm90_available() {
 }
 
 const char* launch_hgemm_sm90(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
-                              int cluster, int split, cudaStream_t stream) {
+                              int cluster, cudaStream_t stream) {
     if (!hgemm_sm90_available()) return "the sm90 HGEMM path needs an sm_90 GPU and a build for 9.0a";
     switch (dtype) {
-        case DType::kFloat16: return launch_typed<half>(x, w, y, m, n, k, dtype, tile_n, cluster, split, stream);
+        case DType::kFloat16: return launch_typed<half>(x, w, y, m, n, k, dtype, tile_n, cluster, stream);
         case DType::kBFloat16:
-            return launch_typed<__nv_bfloat16>(x, w, y, m, n, k, dtype, tile_n, cluster, split, stream);
+            return launch_typed<__nv_bfloat16>(x, w, y, m, n, k, dtype, tile_n, cluster, stream);
         default: return "HGEMM takes float16 or bfloat16";
     }
 }

@@ -241,8 +241,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
 
 HGEMM_KERNELS = ("auto", "sm80", "sm80_64x128", "sm80_128x128",
                  "sm90", "sm90_128x64", "sm90_128x128", "sm90_128x192", "sm90_128x256",
-                 "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2",
-                 "sm90_128x192_k2", "sm90_128x256_k2", "sm90_128x256_k3")
+                 "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2")
 
 
 @fake_impl("minfer::hgemm")

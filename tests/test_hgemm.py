@@ -13,8 +13,7 @@ DTYPE_IDS = ["fp16", "bf16"]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # about 4x the rounding of the output dtype
 SM80_KERNELS = ["sm80", "sm80_64x128", "sm80_128x128"]
 SM90_KERNELS = ["sm90", "sm90_128x64", "sm90_128x128", "sm90_128x192", "sm90_128x256",
-                "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2",
-                "sm90_128x192_k2", "sm90_128x256_k2", "sm90_128x256_k3"]
+                "sm90_128x128_c2", "sm90_128x192_c2", "sm90_128x256_c2"]
 # (M, N, K): M off every tile edge (1, 7, 77, 130, 513); N off the 64/128/192/256-wide tiles;
 # K with a partial last 64-wide k-block (72, 520, 4104) or a single one (8).
 SHAPES = [(1, 64, 64), (7, 136, 72), (77, 264, 520), (130, 200, 8), (513, 384, 136), (300, 1032, 4104)]
