@@ -16,6 +16,7 @@ layer runs no norm or add kernel of its own (other formats and prefill run them 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -40,9 +41,10 @@ def decodes_with_kernel(seq_len: int, cache: KVCache, like: torch.Tensor) -> boo
     return seq_len == 1 and cache.attention_workspace is not None and ops.use_kernels(like)
 
 
-# Attention that goes through torch's SDPA (prefill; decode on the torch backend) skips its cuDNN
-# backend: that one spends ~100 us of host time per call, which a short prompt's prefill waits on
-# (llama2-7b, 17 tokens, H100: 15.9 -> 12.4 ms; 512 tokens unchanged at 13.5-13.8 ms).
+# Prefill attention (several query tokens, through torch's SDPA) skips the cuDNN backend: that one
+# spends ~100 us of host time per call, which a short prompt's eager prefill waits on (llama2-7b,
+# 17 tokens, H100: 15.9 -> 12.4 ms; 512 tokens unchanged at 13.5-13.8 ms). One-token attention on
+# the torch backend runs inside a CUDA graph, where host time is free, and keeps torch's choice.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -61,7 +63,7 @@ def attention(q: torch.Tensor, cache: KVCache, input_pos: torch.Tensor, kv_len: 
                                    workspace=cache.attention_workspace)
         return out.unsqueeze(1)
     k, v = cache.k_cache[:, :, :kv_len], cache.v_cache[:, :, :kv_len]
-    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS) if q.shape[1] > 1 else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=q.shape[2] != k.shape[1],
