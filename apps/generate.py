@@ -154,7 +154,7 @@ def print_stats(stats, device: torch.device, is_random: bool) -> None:
     note(f"\n[{stats.prompt_tokens} prompt + {stats.new_tokens} new tokens, stopped by {stats.stop_reason}]")
     note(f"prefill {stats.prefill_ms:.1f} ms | time to first token {stats.ttft_ms:.1f} ms | "
          f"decode {stats.decode_tok_s:.1f} tok/s | weights read {stats.weight_gb_s:.1f} GB/s | peak GPU memory {peak}")
-    if stats.graph_capture_ms or stats.warmup_ms:
+    if stats.graph_capture_ms >= 1 or stats.warmup_ms >= 1:  # something was set up in this call
         note(f"one-time setup in this call: CUDA-graph capture {stats.graph_capture_ms:.0f} ms, "
              f"first-prefill warm-up {stats.warmup_ms:.0f} ms")
     if is_random:

@@ -68,12 +68,13 @@ CheckMessage check_message(const Args&... args) {
         }                                                                           \
     } while (0)
 
-DType dtype_of(const at::Tensor& t) {
+// `what` names the argument in the error, e.g. "minfer.embedding: table".
+DType dtype_of(const at::Tensor& t, const char* what = "minfer") {
     switch (t.scalar_type()) {
         case at::kHalf: return DType::kFloat16;
         case at::kBFloat16: return DType::kBFloat16;
         case at::kFloat: return DType::kFloat32;
-        default: MINFER_CHECK(false, "minfer: unsupported dtype ", t.scalar_type(), " (float16, bfloat16, float32)");
+        default: MINFER_CHECK(false, what, ": unsupported dtype ", t.scalar_type(), " (float16, bfloat16, float32)");
     }
 }
 
@@ -158,7 +159,7 @@ void embedding(const at::Tensor& table, const at::Tensor& tokens, at::Tensor& ou
     MINFER_CHECK(table.dim() == 2 && table.is_contiguous(), "minfer.embedding: table must be a contiguous [V, D] matrix");
     MINFER_CHECK((table.is_cuda() && table.device() == tokens.device()) || (table.is_cpu() && table.is_pinned()),
                  "minfer.embedding: table must be on the tokens' GPU or in pinned host memory");
-    dtype_of(table);  // refuses anything but float16, bfloat16 and float32
+    dtype_of(table, "minfer.embedding: table");  // refuses anything but float16, bfloat16 and float32
     MINFER_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong, "minfer.embedding: tokens must be 1-D int64");
     MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens.size(0) && out.size(1) == table.size(1),
                  "minfer.embedding: out must be [tokens, D]");

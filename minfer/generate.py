@@ -38,7 +38,7 @@ class GenerationStats:
     weight_gb_s: float = 0.0  # weight bytes read per decode step x decode steps per second
     peak_mem_gb: float = 0.0
     graph_capture_ms: float = 0.0  # one-time CUDA-graph setup paid inside this call (not in the above)
-    warmup_ms: float = 0.0  # one-time first prefill on a GPU (kernel loading, allocations; not in the above)
+    warmup_ms: float = 0.0  # this Generator's first prefill, run once on a GPU to load kernels (not in the above)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -116,7 +116,7 @@ class Generator:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graphs_table = 0  # the embedding table the graphs read (place_embedding may move it)
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
-        self._prefill_warm = self.device.type != "cuda"  # a GPU's first prefill loads kernels lazily
+        self._prefill_warm = self.device.type != "cuda"  # kernels load lazily at their first launch
 
     # -- one decode step ---------------------------------------------------------------------------
 
@@ -211,9 +211,11 @@ class Generator:
             return self.model(prompt, self.model.positions[:n_prompt], kv_len=n_prompt, last_logits_only=True)
 
         if not self._prefill_warm:
-            # A process's first prefill loads each kernel module at its first launch and grows the
-            # allocator (llama2-7b, 17 tokens, H100: 108-980 ms as measured by the CLI before this):
-            # paid once here, reported as warmup_ms. It writes the cache rows the real prefill rewrites.
+            # A first prefill loads the kernels this prompt length selects (lazily, at their first launch)
+            # and grows the allocator (llama2-7b, 17 tokens, H100: 108-980 ms as the CLI measured it
+            # before this). Paid once per Generator, reported as warmup_ms; a later prompt whose length
+            # selects other kernels (GEMV up to 8 tokens, another HGEMM tile) loads those inside its
+            # prefill. It writes the cache rows the real prefill rewrites.
             start = time.perf_counter()
             prefill()
             torch.cuda.synchronize(self.device)

@@ -44,14 +44,15 @@ def build_model(name: str, dtype: torch.dtype, seed: int = 0):
 
 
 def memory_held() -> int:
-    """Bytes this process holds on the GPU before a model is built (what earlier suites left)."""
+    """Bytes this process has allocated on the current GPU; taken before a model is built, it is what
+    earlier suites left, which `measure_backend(held_before=)` leaves out of the peak."""
     return torch.cuda.memory_allocated()
 
 
 def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host",
                     held_before: int = 0) -> dict:
-    """Generation stats on `backend`, the median of TIMED_RUNS generations after a warm-up one (the
-    highest peak memory); minfer reads the token embedding from `embedding` ("host": pinned host
+    """Generation stats on `backend`: the medians of TIMED_RUNS generations after a warm-up one, and
+    the highest peak memory of those TIMED_RUNS; minfer reads the token embedding from `embedding` ("host": pinned host
     memory, see Transformer.place_embedding), the torch backend always from the GPU.
     `peak_mem_gb` leaves out `held_before` bytes (see memory_held)."""
     previous = ops.backend()
