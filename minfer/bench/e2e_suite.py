@@ -52,9 +52,9 @@ def memory_held() -> int:
 def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host",
                     held_before: int = 0) -> dict:
     """Generation stats on `backend`: the medians of TIMED_RUNS generations after a warm-up one, and
-    the highest peak memory of those TIMED_RUNS; minfer reads the token embedding from `embedding` ("host": pinned host
-    memory, see Transformer.place_embedding), the torch backend always from the GPU.
-    `peak_mem_gb` leaves out `held_before` bytes (see memory_held)."""
+    the highest peak memory of those runs, less `held_before` bytes (see memory_held). minfer reads
+    the token embedding from `embedding` ("host": pinned host memory, see
+    Transformer.place_embedding), the torch backend always from the GPU."""
     previous = ops.backend()
     ops.set_backend(backend)
     model.place_embedding(embedding if backend == "minfer" else "gpu")
