@@ -9,7 +9,7 @@ namespace minfer {
 // Launch knobs for benchmarking; 0 (or -1) picks the tuned default.
 struct MackoTuning {
     int steps = 0;            // register kernels: 256-entry warp steps loaded per pipeline stage, 1 or 2
-    int warps_per_block = 0;  // register kernels: 4, 8 or 16 warps; ring kernel: the same, one of them the producer
+    int warps_per_block = 0;  // register kernels: 4, 8 or 16 warps; ring kernel: 4, 8 or 16 consumer warps
     int x_in_smem = -1;       // 1 (and the default): stage x in shared memory when it fits; 0: gather x from global
     int pipeline = -1;        // -1: the tuned kernel; 0: the reference kernel's schedule (load, then decode, x from
                               // global); 1: register double buffer; 2: bulk-copy ring (sm_90+, one token)

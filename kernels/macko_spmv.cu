@@ -527,29 +527,16 @@ __device__ __forceinline__ uint32_t load_shared_4B(uint32_t addr) {
     return r;
 }
 
-// A stage number with its ring slot and the parity of its slot's phase, advanced one stage at a time.
-struct RingCursor {
-    int stage = 0, slot = 0;
-    uint32_t phase = 0;
-    __device__ __forceinline__ void advance(int stages) {
-        ++stage;
-        if (++slot == stages) {
-            slot = 0;
-            phase ^= 1;
-        }
-    }
-};
-
 // The producer: stage k of the stretch [first, end) into slot k % stages once every consumer warp
 // has released the slot's previous stage.
 __device__ __forceinline__ void fill_ring(const uint16_t* values, const uint8_t* deltas, int first, int end,
                                           int total, const RingLayout& ring, uint32_t values_ring,
                                           uint32_t full_bar, uint32_t empty_bar) {
     const uint32_t nibbles_ring = values_ring + ring.nibbles_offset();
-    for (RingCursor k; k.stage < total; k.advance(ring.stages)) {
-        const int slot = k.slot;
-        mbar_wait(empty_bar + 8 * slot, k.phase ^ 1);
-        const int e0 = first + k.stage * kRingStageEntries;
+    for (int k = 0; k < total; ++k) {
+        const int slot = k % ring.stages;
+        mbar_wait(empty_bar + 8 * slot, ((k / ring.stages) & 1) ^ 1);
+        const int e0 = first + k * kRingStageEntries;
         const int n = min(e0 + kRingStageEntries, end) - e0;  // a multiple of 8
         const uint32_t nibble_bytes = n / 2, bulk_nibbles = nibble_bytes & ~15u;
         const uint32_t values_dst = values_ring + slot * kRingValueBytes;
@@ -608,25 +595,21 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_ring_kernel(const uint
     asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");  // the consumers only
     OneTokenConsumer<T> consumer{x, out, xs, cols, lane, accumulate, smem_addr(xs)};
 
-    RingCursor ready, released;  // the next stage this warp waits for / releases
+    int ready = 0, released = 0;  // stages this warp has seen full / has released
     const auto wait_full = [&](int stage) {
-        for (; ready.stage <= stage; ready.advance(stages)) mbar_wait(full_bar + 8 * ready.slot, ready.phase);
+        for (; ready <= stage; ++ready) mbar_wait(full_bar + 8 * (ready % stages), (ready / stages) & 1);
     };
     // A stage's release waits for its `full`: an arrival before the stage landed would count
     // towards the slot's previous phase.
     const auto release = [&]() {
-        wait_full(released.stage);
+        wait_full(released);
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * released.slot);
-        released.advance(stages);
+        if (lane == 0) mbar_arrive(empty_bar + 8 * (released % stages));
+        ++released;
     };
-    // Ring offset (in entries) of an entry of a landed stage, which lies less than `stages`
-    // stages past the oldest stage this warp still holds.
-    const auto ring_offset = [&](int entry) {
+    const auto ring_offset = [&](int entry) {  // of an entry of a landed stage, in entries
         const int q = entry - first;
-        int slot = released.slot + (q / kRingStageEntries - released.stage);
-        if (slot >= stages) slot -= stages;
-        return slot * kRingStageEntries + q % kRingStageEntries;
+        return (q / kRingStageEntries) % stages * kRingStageEntries + q % kRingStageEntries;
     };
 
     int row = r0 + warp - 1;
@@ -644,10 +627,8 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_ring_kernel(const uint
         }
         consumer.begin_row(row);
         int carry = 0;
-        // An empty row at an unaligned start would have one group of no entries, whose stage may
-        // lie past the block's stretch: skip it.
-        for (int a = s & ~(kChunk - 1); s < e && a < e; a += 2 * kStep) {
-            while (released.stage < total && (released.stage + 1) * kRingStageEntries <= a - first) release();
+        for (int a = s & ~(kChunk - 1); a < e; a += 2 * kStep) {
+            while (released < total && (released + 1) * kRingStageEntries <= a - first) release();
             wait_full((min(a + 2 * kStep, e) - 1 - first) / kRingStageEntries);
             Group<2> g;
 #pragma unroll
@@ -665,7 +646,7 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_ring_kernel(const uint
         s = next_s;
         e = next_e;
     }
-    while (released.stage < total) release();
+    while (released < total) release();
 #endif
 }
 
@@ -788,10 +769,8 @@ int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it == cache.end()) {
-        // The limit is one per kernel: raise it to the device's maximum, so a later call with a
-        // smaller size cannot lower it below an earlier, cached size.
         if (smem_bytes > 48 * 1024)
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_limits().smem_optin);
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         int blocks = 0;
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes);
         it = cache.emplace(key, blocks < 1 ? 1 : blocks).first;
@@ -829,10 +808,10 @@ void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int3
                     row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
 }
 
-// Default warps of the ring kernel's blocks (one producer, the rest consumers), and its ring when none is asked for: as many stages as
+// Default consumer warps of the ring kernel, and its ring when none is asked for: as many stages as
 // fit in half an SM's shared memory (less one block's reserve), so the next kernel's block fits
 // beside this one and fills its own ring while this one drains.
-constexpr int kDefaultRingWarps = 8;
+constexpr int kDefaultRingConsumers = 8;
 constexpr int kBlockReservedSmem = 1024;
 
 // Launches the ring kernel and returns true, or returns false when it does not apply (no sm_90,
@@ -894,7 +873,7 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
                                                         accumulate, warps, stream);
-    const int consumers = (tuning.warps_per_block > 0 ? tuning.warps_per_block : kDefaultRingWarps) - 1;
+    const int consumers = tuning.warps_per_block > 0 ? tuning.warps_per_block : kDefaultRingConsumers;
     if (tuning.pipeline != 1 && tokens == 1 && x_in_smem &&
         launch_spmv_ring<T>(values, deltas, row_ptr, x, out, rows, cols, entries, accumulate, consumers,
                             tuning.ring_stages, stream))
