@@ -226,7 +226,7 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
                 at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline,
-                int64_t ring_stages, bool accumulate) {
+                bool accumulate) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
@@ -243,18 +243,14 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
-    MINFER_CHECK(pipeline >= -1 && pipeline <= 2, "minfer.macko_spmv: pipeline must be -1 (auto), 0, 1 or 2");
-    MINFER_CHECK(ring_stages == 0 || (ring_stages >= 4 && ring_stages <= 64),
-                 "minfer.macko_spmv: ring_stages must be 0 (auto) or 4..64");
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::MackoTuning tuning;
     tuning.steps = (int)steps;
     tuning.warps_per_block = (int)warps_per_block;
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
-    tuning.ring_stages = (int)ring_stages;
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                              x.data_ptr(), out.data_ptr(), rows, cols, values.numel(), tokens, accumulate, dtype_of(values), tuning,
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, dtype_of(values), tuning,
                               current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -445,7 +441,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("embedding(Tensor table, Tensor tokens, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, int ring_stages, bool accumulate) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

@@ -19,7 +19,6 @@
 
 #include "hgemm.h"
 #include "hgemm_common.cuh"
-#include "mbarrier.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "hgemm_sm90.cu needs the sm_90a target for wgmma and setmaxnreg: build for Hopper with TORCH_CUDA_ARCH_LIST=9.0a"
@@ -55,6 +54,32 @@ struct Sm90Tile {
 };
 
 #ifdef MINFER_SM90A
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+// One arrival that also announces `bytes` of TMA traffic to come.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the phase with this parity has completed. A fresh barrier counts its phase
+// "before 0" (parity 1) as complete, so the producer's first pass over the ring does not wait.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
 
 // Box at (c0 = column, c1 = row) of a 2-D tensor map -> shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
@@ -244,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
             mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
         }
-        mbar_init_fence();
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (CLUSTER > 1) {
         cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them

@@ -6,23 +6,20 @@
 
 namespace minfer {
 
-// Launch knobs for benchmarking; 0 (or -1) picks the tuned default.
+// Launch knobs for benchmarking; 0 (or -1 for x_in_smem) picks the tuned default.
 struct MackoTuning {
-    int steps = 0;            // register kernels: 256-entry warp steps loaded per pipeline stage, 1 or 2
-    int warps_per_block = 0;  // register kernels: 4, 8 or 16 warps; ring kernel: 4, 8 or 16 consumer warps
+    int steps = 0;            // 256-entry warp steps loaded per pipeline stage: 1 or 2
+    int warps_per_block = 0;  // 4, 8 or 16 warps, one row per warp at a time
     int x_in_smem = -1;       // 1 (and the default): stage x in shared memory when it fits; 0: gather x from global
-    int pipeline = -1;        // -1: the tuned kernel; 0: the reference kernel's schedule (load, then decode, x from
-                              // global); 1: register double buffer; 2: bulk-copy ring (sm_90+, one token)
-    int ring_stages = 0;      // ring kernel: stages of 2048 entries; 0: as many as half an SM's shared memory holds
+    int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };
 
 // out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
 // residual add of a Llama sublayer, in place). x is [tokens, cols], out is [tokens, rows], both
-// contiguous, in the values' dtype. values (`entries` of them) must be 16-byte aligned, deltas 4-byte
-// aligned (16-byte for the ring kernel, which falls back to the register kernel otherwise).
+// contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                       void* out, int64_t rows, int64_t cols, int64_t entries, int64_t tokens, bool accumulate,
-                       DType dtype, const MackoTuning& tuning, cudaStream_t stream);
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
+                       const MackoTuning& tuning, cudaStream_t stream);
 
 // out = W as a dense, contiguous [rows, cols] matrix (every element written).
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,

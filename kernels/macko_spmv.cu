@@ -19,7 +19,6 @@
 
 #include "device_utils.cuh"
 #include "macko.h"
-#include "mbarrier.cuh"
 
 namespace minfer {
 
@@ -247,25 +246,25 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
 
 // x (one token) -> shared memory as fp32. Vector loads are issued in batches before their first
 // use, so a block waits about one L2 round trip however long x is. Coherent loads: the previous
-// kernel may have written x (PDL). Threads `tid` < `threads` take part.
+// kernel may have written x (PDL).
 template <typename T>
-__device__ __forceinline__ void stage_x_fp32(const uint16_t* x, int cols, float* xs, int tid, int threads) {
+__device__ __forceinline__ void stage_x_fp32(const uint16_t* x, int cols, float* xs) {
     if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) {
-        for (int i = tid; i < cols; i += threads) xs[i] = bits_to_float<T>(load_coherent_u16(x + i));
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) xs[i] = bits_to_float<T>(load_coherent_u16(x + i));
         return;
     }
     constexpr int kBatch = 4;
     const int vectors = cols / 8;
-    for (int first = tid; first < vectors; first += kBatch * threads) {
+    for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
         uint4 v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-            const int i = first + u * threads;
+            const int i = first + u * blockDim.x;
             v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-            const int i = first + u * threads;
+            const int i = first + u * blockDim.x;
             if (i >= vectors) break;
             const float2 a = pair_to_float2<T>(v[u].x), b = pair_to_float2<T>(v[u].y);
             const float2 c = pair_to_float2<T>(v[u].z), d = pair_to_float2<T>(v[u].w);
@@ -459,7 +458,7 @@ struct OneTokenConsumer {
     __device__ __forceinline__ void stage() {
         allow_dependents_to_launch();
         wait_for_previous_kernel();
-        stage_x_fp32<T>(x, cols, xs, threadIdx.x, blockDim.x);
+        stage_x_fp32<T>(x, cols, xs);
         __syncthreads();
         xs_addr = smem_addr(xs);
     }
@@ -490,164 +489,6 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
                                  reinterpret_cast<float*>(smem), cols, lane, accumulate};
     walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize, gridDim.x * warps,
                      lane, consumer);
-}
-
-// ---- One token through a bulk-copy ring (sm_90+) ----
-// Each block owns an equal share of consecutive rows, i.e. one contiguous stretch of values and
-// nibbles. One lane of warp 0 streams that stretch with bulk copies into a ring of shared-memory
-// stages, starting before griddepcontrol.wait: weights never depend on the previous kernel, so a
-// block resident beside its predecessor fills its ring while the predecessor drains. The other
-// warps walk the block's rows (one row per warp at a time) over the ring with the one-token
-// decoder; x is staged in shared memory as fp32 after the wait. A stage passes between them
-// through two mbarriers: `full` (its copies landed) and `empty` (every consumer warp is past it).
-
-constexpr int kRingStageEntries = 2048;                     // entries per stage
-constexpr int kRingValueBytes = kRingStageEntries * 2;      // 4 KB of values
-constexpr int kRingNibbleBytes = kRingStageEntries / 2;     // 1 KB of nibbles
-constexpr int kRingAlign = 32;                              // stretch starts: 16 B of nibbles
-
-// Dynamic shared memory of the ring kernel: values ring, nibbles ring, x (fp32), barriers.
-struct RingLayout {
-    int stages, cols;
-    __host__ __device__ int nibbles_offset() const { return stages * kRingValueBytes; }
-    __host__ __device__ int x_offset() const { return stages * (kRingValueBytes + kRingNibbleBytes); }
-    __host__ __device__ int barriers_offset() const { return x_offset() + ((cols * 4 + 15) & ~15); }
-    __host__ __device__ int bytes() const { return barriers_offset() + 2 * 8 * stages; }
-};
-
-__device__ __forceinline__ uint4 load_shared_16B(uint32_t addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-    return r;
-}
-
-__device__ __forceinline__ uint32_t load_shared_4B(uint32_t addr) {
-    uint32_t r;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));
-    return r;
-}
-
-// The producer: stage k of the stretch [first, end) into slot k % stages once every consumer warp
-// has released the slot's previous stage.
-__device__ __forceinline__ void fill_ring(const uint16_t* values, const uint8_t* deltas, int first, int end,
-                                          int total, const RingLayout& ring, uint32_t values_ring,
-                                          uint32_t full_bar, uint32_t empty_bar) {
-    const uint32_t nibbles_ring = values_ring + ring.nibbles_offset();
-    for (int k = 0; k < total; ++k) {
-        const int slot = k % ring.stages;
-        mbar_wait(empty_bar + 8 * slot, ((k / ring.stages) & 1) ^ 1);
-        const int e0 = first + k * kRingStageEntries;
-        const int n = min(e0 + kRingStageEntries, end) - e0;  // a multiple of 8
-        const uint32_t nibble_bytes = n / 2, bulk_nibbles = nibble_bytes & ~15u;
-        const uint32_t values_dst = values_ring + slot * kRingValueBytes;
-        const uint32_t nibbles_dst = nibbles_ring + slot * kRingNibbleBytes;
-        // Only the matrix's last stage can end its nibbles off a 16-byte boundary: plain loads there.
-        for (uint32_t b = bulk_nibbles; b < nibble_bytes; b += 4) {
-            const uint32_t word = load_stream_4B(reinterpret_cast<const uint32_t*>(deltas + e0 / 2 + b));
-            asm volatile("st.shared.u32 [%0], %1;" ::"r"(nibbles_dst + b), "r"(word) : "memory");
-        }
-        mbar_arrive_expect_tx(full_bar + 8 * slot, 2 * n + bulk_nibbles);
-        bulk_copy_to_shared(values_dst, values + e0, 2 * n, full_bar + 8 * slot);
-        if (bulk_nibbles > 0) bulk_copy_to_shared(nibbles_dst, deltas + e0 / 2, bulk_nibbles, full_bar + 8 * slot);
-    }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kMaxThreads) macko_spmv_ring_kernel(const uint16_t* __restrict__ values,
-                                                                      const uint8_t* __restrict__ deltas,
-                                                                      const int* __restrict__ row_ptr,
-                                                                      const uint16_t* x, T* __restrict__ out,
-                                                                      int rows, int cols, int entries, int stages,
-                                                                      bool accumulate) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(16) unsigned char smem[];
-    const RingLayout ring{stages, cols};
-    const uint32_t values_ring = smem_addr(smem), nibbles_ring = values_ring + ring.nibbles_offset();
-    float* xs = reinterpret_cast<float*>(smem + ring.x_offset());
-    const uint32_t full_bar = values_ring + ring.barriers_offset(), empty_bar = full_bar + 8 * stages;
-    const int consumers = blockDim.x / kWarpSize - 1;
-    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-    const int r0 = (int)((int64_t)blockIdx.x * rows / gridDim.x);
-    const int r1 = (int)((int64_t)(blockIdx.x + 1) * rows / gridDim.x);
-    // The block's stretch [first, end): its rows' entries, widened to whole 32-entry pieces.
-    const int row_start = row_ptr[r0], row_end = row_ptr[r1];
-    const int first = row_start & ~(kRingAlign - 1);
-    const int end = min((row_end + kRingAlign - 1) & ~(kRingAlign - 1), entries);
-    const int total = row_end > row_start ? (end - first + kRingStageEntries - 1) / kRingStageEntries : 0;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; ++s) {
-            mbar_init(full_bar + 8 * s, 1);            // the producer's arrive.expect_tx
-            mbar_init(empty_bar + 8 * s, consumers);   // one arrival per consumer warp
-        }
-        mbar_init_fence();
-    }
-    __syncthreads();
-    allow_dependents_to_launch();
-    if (warp == 0) {
-        if (lane == 0) fill_ring(values, deltas, first, end, total, ring, values_ring, full_bar, empty_bar);
-        return;
-    }
-
-    const int threads = consumers * kWarpSize;
-    wait_for_previous_kernel();
-    stage_x_fp32<T>(x, cols, xs, threadIdx.x - kWarpSize, threads);
-    asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");  // the consumers only
-    OneTokenConsumer<T> consumer{x, out, xs, cols, lane, accumulate, smem_addr(xs)};
-
-    int ready = 0, released = 0;  // stages this warp has seen full / has released
-    const auto wait_full = [&](int stage) {
-        for (; ready <= stage; ++ready) mbar_wait(full_bar + 8 * (ready % stages), (ready / stages) & 1);
-    };
-    // A stage's release waits for its `full`: an arrival before the stage landed would count
-    // towards the slot's previous phase.
-    const auto release = [&]() {
-        wait_full(released);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty_bar + 8 * (released % stages));
-        ++released;
-    };
-    const auto ring_offset = [&](int entry) {  // of an entry of a landed stage, in entries
-        const int q = entry - first;
-        return (q / kRingStageEntries) % stages * kRingStageEntries + q % kRingStageEntries;
-    };
-
-    int row = r0 + warp - 1;
-    int s = 0, e = 0;
-    if (row < r1) {
-        s = row_ptr[row];
-        e = row_ptr[row + 1];
-    }
-    for (; row < r1; row += consumers) {
-        const int next = row + consumers;
-        int next_s = 0, next_e = 0;
-        if (next < r1) {
-            next_s = row_ptr[next];
-            next_e = row_ptr[next + 1];
-        }
-        consumer.begin_row(row);
-        int carry = 0;
-        for (int a = s & ~(kChunk - 1); a < e; a += 2 * kStep) {
-            while (released < total && (released + 1) * kRingStageEntries <= a - first) release();
-            wait_full((min(a + 2 * kStep, e) - 1 - first) / kRingStageEntries);
-            Group<2> g;
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const int c0 = a + k * kStep + lane * kChunk;
-                if (c0 < e) {
-                    const int offset = ring_offset(c0);
-                    g.values[k] = load_shared_16B(values_ring + 2 * offset);
-                    g.nibbles[k] = load_shared_4B(nibbles_ring + offset / 2);
-                }
-            }
-            decode_group(g, a, s, e, carry, lane, consumer);
-        }
-        consumer.end_row(row);
-        s = next_s;
-        e = next_e;
-    }
-    while (released < total) release();
-#endif
 }
 
 // Dense rows. ROW_IN_SMEM: each warp assembles its row in shared memory (zeros, then the scattered
@@ -732,9 +573,7 @@ constexpr int kDefaultWarpsPerBlock = 16;
 
 struct DeviceLimits {
     int sm_count;
-    int smem_optin;   // dynamic shared memory one block may opt into
-    int smem_per_sm;  // shared memory of one SM, all blocks together
-    bool sm90;        // bulk copies and mbarrier transaction counts
+    int smem_optin;  // dynamic shared memory one block may opt into
 };
 
 DeviceLimits device_limits() {
@@ -748,10 +587,6 @@ DeviceLimits device_limits() {
         DeviceLimits limits{};
         cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device);
         cudaDeviceGetAttribute(&limits.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-        cudaDeviceGetAttribute(&limits.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-        int major = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-        limits.sm90 = major >= 9;
         it = cache.emplace(device, limits).first;
     }
     return it->second;
@@ -808,35 +643,6 @@ void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int3
                     row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
 }
 
-// Default consumer warps of the ring kernel, and its ring when none is asked for: as many stages as
-// fit in half an SM's shared memory (less one block's reserve), so the next kernel's block fits
-// beside this one and fills its own ring while this one drains.
-constexpr int kDefaultRingConsumers = 8;
-constexpr int kBlockReservedSmem = 1024;
-
-// Launches the ring kernel and returns true, or returns false when it does not apply (no sm_90,
-// nibbles off 16-byte alignment, fewer than 4 stages fit).
-template <typename T>
-bool launch_spmv_ring(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                      int rows, int cols, int entries, bool accumulate, int consumers, int ring_stages,
-                      cudaStream_t stream) {
-    const DeviceLimits limits = device_limits();
-    if (!limits.sm90 || reinterpret_cast<uintptr_t>(deltas) % 16 != 0) return false;
-    const int stage_bytes = kRingValueBytes + kRingNibbleBytes + 16;
-    const int stages = ring_stages > 0 ? ring_stages
-                                       : (limits.smem_per_sm / 2 - kBlockReservedSmem - RingLayout{0, cols}.bytes()) /
-                                             stage_bytes;
-    const int smem = RingLayout{stages, cols}.bytes();
-    if (stages < 4 || smem > limits.smem_optin) return false;
-    auto kernel = macko_spmv_ring_kernel<T>;
-    resident_blocks_per_sm(kernel, (consumers + 1) * kWarpSize, smem);  // raises the kernel's smem limit once
-    const int blocks = rows < limits.sm_count ? rows : limits.sm_count;
-    launch_with_pdl(kernel, dim3(blocks), dim3((consumers + 1) * kWarpSize), smem, stream, true,
-                    static_cast<const uint16_t*>(values), deltas, row_ptr, static_cast<const uint16_t*>(x),
-                    static_cast<T*>(out), rows, cols, entries, stages, accumulate);
-    return true;
-}
-
 template <typename T, int STEPS>
 void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
                        int rows, int cols, int tokens, bool accumulate, int tokens_per_pass, bool x_in_smem,
@@ -854,7 +660,7 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
 
 template <typename T>
 void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int entries, int tokens, bool accumulate, const MackoTuning& tuning,
+                       int rows, int cols, int tokens, bool accumulate, const MackoTuning& tuning,
                        cudaStream_t stream) {
     const int smem_optin = device_limits().smem_optin;
     // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
@@ -873,11 +679,6 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
                                                         accumulate, warps, stream);
-    const int consumers = tuning.warps_per_block > 0 ? tuning.warps_per_block : kDefaultRingConsumers;
-    if (tuning.pipeline != 1 && tokens == 1 && x_in_smem &&
-        launch_spmv_ring<T>(values, deltas, row_ptr, x, out, rows, cols, entries, accumulate, consumers,
-                            tuning.ring_stages, stream))
-        return;
     if (x_in_smem && per_pass == 1) {
         auto one_token = steps == 1 ? launch_spmv_one_token<T, 1> : launch_spmv_one_token<T, 2>;
         return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps, stream);
@@ -889,17 +690,17 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
 }  // namespace
 
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                       void* out, int64_t rows, int64_t cols, int64_t entries, int64_t tokens, bool accumulate,
-                       DType dtype, const MackoTuning& tuning, cudaStream_t stream) {
+                       void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate, DType dtype,
+                       const MackoTuning& tuning, cudaStream_t stream) {
     if (rows == 0 || tokens == 0) return;
     switch (dtype) {
         case DType::kFloat16:
-            launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)entries, (int)tokens,
-                                    accumulate, tuning, stream);
+            launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, accumulate,
+                                    tuning, stream);
             break;
         case DType::kBFloat16:
-            launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)entries,
-                                             (int)tokens, accumulate, tuning, stream);
+            launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
+                                             accumulate, tuning, stream);
             break;
         case DType::kFloat32: break;  // rejected by the binding
     }

@@ -396,8 +396,7 @@ def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: to
 
 
 @fake_impl("minfer::macko_spmv")
-def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline, ring_stages,
-                     accumulate):
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline, accumulate):
     return None
 
 
@@ -408,16 +407,14 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
 
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
                out: torch.Tensor | None = None, *, accumulate: bool = False, steps: int = 0, warps_per_block: int = 0,
-               x_in_smem: int = -1, pipeline: int = -1, ring_stages: int = 0) -> torch.Tensor:
+               x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
     """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
     `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
-    passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem`, `pipeline`
-    and `ring_stages` are launch knobs for benchmarks, the defaults (0, 0, -1, -1, 0) pick the tuned
-    configuration. `pipeline`: 0 runs the reference kernel's schedule (one step loaded then decoded,
-    x gathered from global memory), 1 the register double buffer, 2 the bulk-copy ring (one token on
-    sm_90+ with 16-byte aligned deltas; the register kernel otherwise).
+    passes; prefill should decompress instead). `steps`, `warps_per_block`, `x_in_smem` are launch
+    knobs for benchmarks, the defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs
+    the reference kernel's schedule (one step loaded then decoded, x gathered from global memory).
     The op's schema has no defaults (a defaulted argument segfaulted another op on the device), so
     this wrapper passes every knob.
     """
@@ -427,7 +424,7 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
     if use_kernels(x):
         torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, steps, warps_per_block, x_in_smem, pipeline,
-                                    ring_stages, accumulate)
+                                    accumulate)
     else:
         out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None))
     return out

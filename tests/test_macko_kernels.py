@@ -11,11 +11,9 @@ from tests.conftest import requires_cuda
 pytestmark = requires_cuda
 
 DENSITIES = [0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
-TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1, ring_stages=0)
+TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1)
            for s in (1, 2) for w in (4, 8, 16) for m in (0, 1)]
-TUNINGS.append(dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0, ring_stages=0))  # the reference schedule
-# The bulk-copy ring (one token; more tokens take the register kernels): 4 stages wrap around often.
-TUNINGS += [dict(steps=0, warps_per_block=w, x_in_smem=1, pipeline=2, ring_stages=r) for w in (4, 8, 16) for r in (0, 4)]
+TUNINGS.append(dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0))  # the reference kernel's schedule
 
 
 def sparse_matrix(rows, cols, density, dtype=torch.float16, seed=0, uneven=False):
@@ -78,7 +76,7 @@ def test_bf16_and_fp16(dtype, tokens):
 
 
 @pytest.mark.parametrize("tuning", TUNINGS,
-                         ids=lambda t: "s{steps}w{warps_per_block}m{x_in_smem}p{pipeline}r{ring_stages}".format(**t))
+                         ids=lambda t: "s{steps}w{warps_per_block}m{x_in_smem}p{pipeline}".format(**t))
 def test_every_launch_configuration(tuning):
     matrix = sparse_matrix(517, 1531, 0.35, seed=11, uneven=True)
     matrix[100:140] = 0  # a run of empty rows
@@ -91,8 +89,8 @@ def test_every_launch_configuration(tuning):
 
 @pytest.mark.parametrize("cols, density", [(4096, 0.5), (4096, 0.1), (4096, 0.3), (1031, 0.9), (300, 0.02),
                                            (2048, 0.25), (520, 1.0), (11008, 0.5)])
-@pytest.mark.parametrize("warps_per_block, pipeline", [(0, -1), (4, 1), (16, 1), (4, 2), (16, 2)])
-def test_spmv_one_token_every_row(cols, density, warps_per_block, pipeline):
+@pytest.mark.parametrize("warps_per_block", [0, 4, 16])
+def test_spmv_one_token_every_row(cols, density, warps_per_block):
     """Every row checked on its own, with more rows than resident warps (each warp sums several):
     a mistake at a row boundary spoils one row, which a norm over all rows would hide. Per-row
     pruning to an exact count puts row starts at unaligned entries; 2048 columns at 0.25 give rows of
@@ -106,7 +104,7 @@ def test_spmv_one_token_every_row(cols, density, warps_per_block, pipeline):
     matrix[50:53] = 0
     matrix[4000] = 0
     matrix[4000, 7] = 1.5
-    out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block, pipeline=pipeline)
+    out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block)
     ref = x.double() @ matrix.double().T
     scale = x.double().abs() @ matrix.double().abs().T  # the sum of |terms|: no cancellation
     assert not out.isnan().any(), "some rows were never written"
@@ -114,33 +112,9 @@ def test_spmv_one_token_every_row(cols, density, warps_per_block, pipeline):
     assert worst < 2e-3, f"worst row error {worst}"
 
 
-@pytest.mark.parametrize("tuning", [dict(pipeline=1), dict(pipeline=2), dict(pipeline=2, ring_stages=4)],
-                         ids=["register", "ring", "ring-4-stages"])
-def test_long_rows_many_groups(tuning):
-    """50000 entries per row: ~100 pipeline groups, and for the ring rows much longer than the ring
-    (4 stages hold 8192 entries), so warps wait on each other's releases."""
-    matrix = sparse_matrix(3, 50000, 1.0, seed=2)
-    out, x = run_spmv(matrix, 1, **tuning)
-    assert relative_error(out, matrix, x) < 2e-3
-
-
-@pytest.mark.parametrize("consumers", [4, 16])
-def test_ring_rows_longer_than_the_ring(consumers):
-    """Each consumer warp's row needs more stages than the ring holds once the other warps' rows
-    are counted: warps must still make progress in stream order (no deadlock) and every row is right."""
-    matrix = sparse_matrix(700, 11008, 0.9, seed=consumers)
-    out, x = run_spmv(matrix, 1, pipeline=2, ring_stages=4, warps_per_block=consumers)
-    assert relative_error(out, matrix, x) < 2e-3
-
-
-def test_ring_falls_back_on_misaligned_nibbles():
-    """Nibbles 4 bytes past a 16-byte boundary cannot be bulk-copied: the register kernel runs."""
-    matrix = sparse_matrix(300, 1000, 0.3, seed=8)
-    values, deltas, row_ptr = compress(matrix)
-    shifted = deltas.new_empty(deltas.numel() + 4)[4:]
-    shifted.copy_(deltas)
-    x = torch.randn(1, 1000, device="cuda", dtype=torch.float16)
-    out = ops.macko_spmv(values, shifted, row_ptr, x, pipeline=2)
+def test_long_rows_many_groups():
+    matrix = sparse_matrix(3, 50000, 1.0, seed=2)  # 50000 entries per row: ~100 pipeline groups
+    out, x = run_spmv(matrix, 1)
     assert relative_error(out, matrix, x) < 2e-3
 
 
@@ -174,7 +148,7 @@ def test_opcheck():
     for tokens in (1, 5):
         x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
         out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
-        torch.library.opcheck(torch.ops.minfer.macko_spmv, (values, deltas, row_ptr, x, out, 0, 0, -1, -1, 0, False))
+        torch.library.opcheck(torch.ops.minfer.macko_spmv, (values, deltas, row_ptr, x, out, 0, 0, -1, 1, False))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
@@ -221,9 +195,8 @@ def test_prefill_decompresses_blocks_of_rows(monkeypatch, rows, block_rows):
     assert relative_error(out, matrix, x) < 2e-3
 
 
-@pytest.mark.parametrize("tokens, tuning", [(1, {}), (5, {}), (16, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0)),
-                                            (1, dict(pipeline=1)), (1, dict(pipeline=2))],
-                         ids=["smem-1", "smem-5", "smem-16", "x-global", "reference", "register", "ring"])
+@pytest.mark.parametrize("tokens, tuning", [(1, {}), (5, {}), (16, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
+                         ids=["smem-1", "smem-5", "smem-16", "x-global", "reference"])
 def test_spmv_accumulates_into_out(tokens, tuning):
     """accumulate=True adds W x into out in place (the residual add), on every kernel path."""
     matrix = sparse_matrix(300, 1000, 0.3, seed=tokens)
@@ -256,14 +229,14 @@ def test_binding_rejects_dtype_mismatch():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, 0, 0, -1, -1, 0, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_wrong_out_shape():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, 0, 0, -1, -1, 0, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_misaligned_values():
@@ -271,4 +244,4 @@ def test_binding_rejects_misaligned_values():
     misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, -1, 0, False)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, 1, False)

@@ -31,12 +31,7 @@ SECTIONS = ("spmv", "sweep", "spmm", "decompress")  # kernel sections; "e2e" run
 E2E_DENSITIES = (1.0, 0.7, 0.5, 0.3, 0.1)
 DENSITIES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SWEEP_DENSITIES = (0.1, 0.3, 0.5, 0.7)
-# The register double buffer's knobs, then the bulk-copy ring's (consumer warps, stages; 0 = half an SM).
-SWEEP = ([dict(pipeline=1, steps=s, warps_per_block=w, x_in_smem=m, ring_stages=0)
-          for s in (1, 2) for w in (4, 8, 16) for m in (1, 0)]
-         + [dict(pipeline=2, steps=0, warps_per_block=w, x_in_smem=1, ring_stages=r)
-            for w in (4, 8, 16) for r in (0, 8, 32)])
-REGISTER_KERNEL = dict(pipeline=1)
+SWEEP = [dict(steps=s, warps_per_block=w, x_in_smem=m) for s in (1, 2) for w in (4, 8, 16) for m in (1, 0)]
 SPMM_TOKENS = (2, 4, 8, 16)
 SPMM_DENSITIES = (0.3, 0.5)
 REFERENCE_SCHEDULE = dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0)
@@ -45,13 +40,12 @@ COLUMNS = {
     "spmv": [report.Column(*c) for c in [
         ("shape", "shape"), ("density", "d", "{:.1f}"), ("mb", "MACKO MB", "{:.1f}"),
         ("minfer_ms", "minfer ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "% copy", "{:.1f}"),
-        ("register_ms", "register ms", "{:.4f}"), ("vs_register", "vs register", "{:.2f}x"),
         ("ref_schedule_ms", "ref-sched ms", "{:.4f}"), ("vs_ref_schedule", "vs ref", "{:.2f}x"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
         ("gemv_ms", "minfer gemv ms", "{:.4f}"), ("csr_ms", "CSR ms", "{:.4f}"), ("vs_csr", "vs CSR", "{:.1f}x"),
         ("reference_ms", "dense ref ms", "{:.3f}")]],
     "sweep": [report.Column(*c) for c in [
-        ("shape", "shape"), ("density", "d", "{:.1f}"), ("config", "kernel steps/warps/x-in-smem/stages"),
+        ("shape", "shape"), ("density", "d", "{:.1f}"), ("config", "steps/warps/x-in-smem"),
         ("minfer_ms", "ms", "{:.4f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "spmm": [report.Column(*c) for c in [
         ("shape", "shape"), ("density", "d", "{:.1f}"), ("tokens", "T"), ("minfer_ms", "minfer ms", "{:.4f}"),
@@ -139,14 +133,13 @@ def bandwidth(nbytes: int, ms: float, copy_gbs: float) -> tuple[float, float]:
 
 def spmv_rows(m: Matrix, copy_gbs: float, replays: int) -> dict:
     ms = m.time_macko(1, replays)
-    register_ms = m.time_macko(1, replays, **REGISTER_KERNEL)
     ref_ms = m.time_macko(1, replays, **REFERENCE_SCHEDULE)
     cublas_ms = m.time_dense(1, replays, F.linear)
     gemv_ms = m.time_dense(1, replays, ops.gemv)
     csr_ms = m.time_csr(replays)
     gbs, pct = bandwidth(m.bytes(1), ms, copy_gbs)
     return {"shape": m.shape, "density": m.density, "mb": m.bytes(1) / 1e6, "minfer_ms": ms, "gbs": gbs,
-            "pct_copy": pct, "register_ms": register_ms, "vs_register": register_ms / ms, "ref_schedule_ms": ref_ms, "vs_ref_schedule": ref_ms / ms,
+            "pct_copy": pct, "ref_schedule_ms": ref_ms, "vs_ref_schedule": ref_ms / ms,
             "ref_schedule_pct_copy": bandwidth(m.bytes(1), ref_ms, copy_gbs)[1], "cublas_ms": cublas_ms,
             "cublas_pct_copy": bandwidth(2 * (m.n * m.k + m.n + m.k), cublas_ms, copy_gbs)[1],
             "vs_cublas": cublas_ms / ms, "gemv_ms": gemv_ms, "csr_ms": csr_ms, "vs_csr": csr_ms / ms,
@@ -173,8 +166,7 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
                 for knobs in SWEEP:
                     ms = m.time_macko(1, replays, **knobs)
                     emit("sweep", {"shape": m.shape, "density": density, **knobs, "minfer_ms": ms,
-                                   "config": "{}/{steps}/{warps_per_block}/{x_in_smem}/{ring_stages}".format(
-                                       "ring" if knobs["pipeline"] == 2 else "register", **knobs),
+                                   "config": "{steps}/{warps_per_block}/{x_in_smem}".format(**knobs),
                                    "pct_copy": bandwidth(m.bytes(1), ms, copy_gbs)[1]})
             if "spmm" in sections and density in SPMM_DENSITIES:
                 spmv_ms = m.time_macko(1, replays)
