@@ -604,8 +604,10 @@ int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it == cache.end()) {
+        // The limit is one per kernel: set it to the device's maximum, so that a later, smaller
+        // size cannot lower it below a size cached here before.
         if (smem_bytes > 48 * 1024)
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_limits().smem_optin);
         int blocks = 0;
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes);
         it = cache.emplace(key, blocks < 1 ? 1 : blocks).first;

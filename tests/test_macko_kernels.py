@@ -136,6 +136,15 @@ def test_decompress_exact(rows, cols, density, dtype):
     assert torch.equal(out, ops.macko_decompress_reference(values, deltas, row_ptr, cols))
 
 
+def test_decompress_after_a_smaller_shared_memory_size():
+    """The row-buffer kernel's shared memory grows with K: 11008 columns need more than 4000, and
+    a call at 4000 in between must not lower the kernel's limit under the larger, cached size."""
+    for cols in (11008, 4000, 11008):
+        matrix = sparse_matrix(24, cols, 0.3, seed=cols)
+        values, deltas, row_ptr = compress(matrix)
+        assert torch.equal(ops.macko_decompress(values, deltas, row_ptr, cols=cols), matrix)
+
+
 def test_gpu_compression_matches_cpu():
     matrix = sparse_matrix(300, 999, 0.2, seed=9, uneven=True)
     for gpu, cpu in zip(compress(matrix), compress(matrix.cpu())):
