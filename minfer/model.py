@@ -45,6 +45,7 @@ def decodes_with_kernel(seq_len: int, cache: KVCache, like: torch.Tensor) -> boo
 # spends ~100 us of host time per call, which a short prompt's eager prefill waits on (llama2-7b,
 # 17 tokens, H100: 15.9 -> 12.4 ms; 512 tokens unchanged at 13.5-13.8 ms). One-token attention on
 # the torch backend runs inside a CUDA graph, where host time is free, and keeps torch's choice.
+# Transformer.forward selects these backends around its layers.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -63,11 +64,10 @@ def attention(q: torch.Tensor, cache: KVCache, input_pos: torch.Tensor, kv_len: 
                                    workspace=cache.attention_workspace)
         return out.unsqueeze(1)
     k, v = cache.k_cache[:, :, :kv_len], cache.v_cache[:, :, :kv_len]
-    with sdpa_kernel(PREFILL_SDPA_BACKENDS) if q.shape[1] > 1 else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=q.shape[2] != k.shape[1],
-        )
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[2] != k.shape[1],
+    )
     return out.transpose(1, 2)
 
 
@@ -319,6 +319,8 @@ class Transformer(nn.Module):
             mask = torch.where(visible, 0.0, float("-inf")).to(self.norm.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)
         residual = self.embed_tokens(tokens)
-        for layer in self.layers:
-            layer(residual, input_pos, kv_len, mask, rope)
+        # Entered once per forward, not per layer: each entry costs ~13 us of host time.
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS) if tokens.shape[1] > 1 else contextlib.nullcontext():
+            for layer in self.layers:
+                layer(residual, input_pos, kv_len, mask, rope)
         return self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)
