@@ -200,7 +200,7 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
 
     rows, dense_tok_s = [], None
     for density in densities:
-        release_scratch()  # the previous model's prefill buffer belongs to its own peak
+        release_scratch()  # the previous model and its prefill buffer belong to their own peak
         gc.collect()
         torch.cuda.empty_cache()
         held_before = e2e_suite.memory_held()
@@ -214,9 +214,7 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         weight_gb = model.decode_weight_bytes() / 1e9
         stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
         placed = model.embedding_place()  # a tied embedding stays on the GPU whatever was asked
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+        del model  # freed with the scratch at the next density's start
         dense_tok_s = dense_tok_s or (stats["decode_tok_s"] if density == 1.0 else None)
         row = {"model": model_name, "density": density, "format": "dense" if density == 1.0 else f"macko d={density}",
                "embedding": placed, "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs,
