@@ -90,7 +90,8 @@ def test_every_launch_configuration(tuning):
 @pytest.mark.parametrize("cols, density", [(4096, 0.5), (4096, 0.1), (4096, 0.3), (1031, 0.9), (300, 0.02),
                                            (2048, 0.25), (520, 1.0), (11008, 0.5)])
 @pytest.mark.parametrize("warps_per_block", [0, 4, 16])
-def test_spmv_one_token_every_row(cols, density, warps_per_block):
+@pytest.mark.parametrize("steps", [0, 1, 2])
+def test_spmv_one_token_every_row(cols, density, warps_per_block, steps):
     """Every row checked on its own, with more rows than resident warps (each warp sums several):
     a mistake at a row boundary spoils one row, which a norm over all rows would hide. Per-row
     pruning to an exact count puts row starts at unaligned entries; 2048 columns at 0.25 give rows of
@@ -104,12 +105,28 @@ def test_spmv_one_token_every_row(cols, density, warps_per_block):
     matrix[50:53] = 0
     matrix[4000] = 0
     matrix[4000, 7] = 1.5
-    out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block)
+    out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block, steps=steps)
+    assert_every_row_close(out, matrix, x)
+
+
+def assert_every_row_close(out, matrix, x):
     ref = x.double() @ matrix.double().T
     scale = x.double().abs() @ matrix.double().abs().T  # the sum of |terms|: no cancellation
     assert not out.isnan().any(), "some rows were never written"
     worst = ((out.double() - ref).abs() / scale.clamp_min(1e-30)).max().item()
     assert worst < 2e-3, f"worst row error {worst}"
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_spmv_one_token_rows_ending_early(steps):
+    """Rows whose last nonzero comes early, each followed by a full row: the one-token kernel reads
+    the next row's first entries in a row's last chunk, at columns inside x, and must not add them."""
+    matrix = sparse_matrix(2001, 3000, 1.0, seed=steps)
+    row = torch.arange(2001, device="cuda")[:, None]
+    column = torch.arange(3000, device="cuda")
+    matrix[(row % 2 == 0) & (column >= 20 + row % 37)] = 0  # even rows end at columns 19..55
+    out, x = run_spmv(matrix, 1, steps=steps)
+    assert_every_row_close(out, matrix, x)
 
 
 def test_long_rows_many_groups():
