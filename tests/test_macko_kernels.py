@@ -90,7 +90,7 @@ def test_every_launch_configuration(tuning):
 @pytest.mark.parametrize("cols, density", [(4096, 0.5), (4096, 0.1), (4096, 0.3), (1031, 0.9), (300, 0.02),
                                            (2048, 0.25), (520, 1.0), (11008, 0.5)])
 @pytest.mark.parametrize("warps_per_block", [0, 4, 16])
-@pytest.mark.parametrize("steps", [0, 1, 2])
+@pytest.mark.parametrize("steps", [0, 1])  # 0: the default, 2 steps
 def test_spmv_one_token_every_row(cols, density, warps_per_block, steps):
     """Every row checked on its own, with more rows than resident warps (each warp sums several):
     a mistake at a row boundary spoils one row, which a norm over all rows would hide. Per-row
