@@ -4,6 +4,7 @@ cudaProfilerStart/Stop, so that a profiler started with capture off sees exactly
   ncu --set full --profile-from-start off python apps/profile.py --op gemv
   ncu --set full --profile-from-start off -o gemv python apps/profile.py --op gemv --shapes 4096x11008 --baseline
   nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode
+  ncu --set full --profile-from-start off -k regex:macko_spmv python apps/profile.py --op decode --sparse macko
   python apps/profile.py --op decode --timeline [--sparse macko --density 0.5]
 
 `--timeline` needs no external profiler: it traces CUDA-graph decode steps with the torch profiler
@@ -45,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode: trace graph-replayed steps and print each kernel's share of a step")
     parser.add_argument("--steps", type=int, default=32, help="decode --timeline: traced steps (default 32)")
     parser.add_argument("--sparse", choices=("none", "macko"), default="none",
-                        help="decode --timeline: weight format of the projections (default none)")
+                        help="decode: weight format of the projections (default none)")
     parser.add_argument("--density", type=float, default=0.5,
-                        help="decode --timeline --sparse macko: density after magnitude pruning (default 0.5)")
+                        help="decode --sparse macko: density after magnitude pruning (default 0.5)")
     return parser
 
 
@@ -84,38 +85,43 @@ def profile_kernels(args: argparse.Namespace) -> None:
     print(f"profiled {len(prepared)} case(s) of {args.op}, {args.iters} run(s) each")
 
 
+def decode_model(args: argparse.Namespace):
+    """--model with random weights, its projections pruned by magnitude and stored as MACKO with
+    `--sparse macko`; returns the model and a label for the output."""
+    from minfer.bench.e2e_suite import build_model
+    from minfer.formats import convert
+    from minfer.sparsity import prune_model_
+
+    model = build_model(args.model, DTYPES[args.dtype])
+    if args.sparse != "macko":
+        return model, "dense"
+    prune_model_(model, args.density, "magnitude", progress=False)
+    convert(model, "macko")
+    return model, f"macko d={args.density}"
+
+
 @torch.inference_mode()
 def profile_decode(args: argparse.Namespace) -> None:
     """One-token forward passes at position `context` (eager, so each kernel shows on its own)."""
-    from minfer.bench.e2e_suite import build_model
-
-    model = build_model(args.model, DTYPES[args.dtype])
+    model, label = decode_model(args)
     model.setup_caches(1, args.context + 1)
     token = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
     pos = torch.tensor([args.context], device="cuda")
     model(token, pos)  # warm-up
     with ProfiledRegion():
         for it in range(args.iters):
-            with torch.cuda.nvtx.range(f"minfer: decode step {args.model} pos {args.context} #{it}"):
+            with torch.cuda.nvtx.range(f"minfer: decode step {args.model} {label} pos {args.context} #{it}"):
                 model(token, pos)
-    print(f"profiled {args.iters} decode step(s) of {args.model} at position {args.context}")
+    print(f"profiled {args.iters} decode step(s) of {args.model} ({label}) at position {args.context}")
 
 
 @torch.inference_mode()
 def decode_timeline(args: argparse.Namespace) -> None:
     from minfer.bench import decode_timeline as timeline
-    from minfer.bench.e2e_suite import build_model
     from minfer.bench.report import print_table
-    from minfer.formats import convert
     from minfer.generate import Generator
-    from minfer.sparsity import prune_model_
 
-    model = build_model(args.model, DTYPES[args.dtype])
-    label = "dense"
-    if args.sparse == "macko":
-        prune_model_(model, args.density, "magnitude", progress=False)
-        convert(model, "macko")
-        label = f"macko d={args.density}"
+    model, label = decode_model(args)
     generator = Generator(model, None, args.context + args.steps + 2, "cuda")
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
     rows, step_us = timeline.run(generator, prompt.tolist(), args.steps)
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.timeline and args.op != DECODE:
         parser.error("--timeline traces decode steps: use it with --op decode")
+    if args.sparse != "none" and args.op != DECODE:
+        parser.error("--sparse sets the model's weight format: use it with --op decode")
     if args.steps < 2 or args.context < 1 or args.iters < 1:
         parser.error("--steps must be at least 2, --context and --iters at least 1")
     if not 0.0 < args.density <= 1.0:

@@ -49,13 +49,17 @@ def assert_input_error(result: subprocess.CompletedProcess, *fragments: str) -> 
         assert fragment in lines[0]
 
 
-@pytest.fixture(scope="module")
-def local_checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ckpt")
+def tiny_random_model(dtype: torch.dtype = torch.float32) -> Transformer:
     config = ModelConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                          max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    save_hf(random_init(Transformer(config), seed=1, dtype=torch.float32, device="cpu"), folder, shard_size=100_000)
+    return random_init(Transformer(config), seed=1, dtype=dtype, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def local_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_hf(tiny_random_model(), folder, shard_size=100_000)
     shutil.copyfile(bundled_tokenizer_path(), folder / "tokenizer.model")
     return folder
 
@@ -213,12 +217,28 @@ def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint
     (["--op", "gemv", "--timeline"], "use it with --op decode"),
     (["--op", "decode", "--timeline", "--steps", "1"], "--steps must be at least 2"),
     (["--op", "decode", "--timeline", "--sparse", "macko", "--density", "1.5"], "--density must lie in"),
+    (["--op", "macko", "--sparse", "macko"], "use it with --op decode"),
 ])
 def test_profile_app_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load_app(PROFILE_APP).main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sparse", ["none", "macko"])
+def test_profile_app_decode_model_takes_the_sparse_format(sparse, monkeypatch):
+    """`--op decode --sparse macko` profiles the pruned MACKO model, with or without --timeline."""
+    from minfer.bench import e2e_suite
+    from minfer.formats import DenseWeight, MackoWeight
+
+    monkeypatch.setattr(e2e_suite, "build_model", lambda name, dtype: tiny_random_model(dtype))
+    app = load_app(PROFILE_APP)
+    model, label = app.decode_model(app.build_parser().parse_args(["--op", "decode", "--sparse", sparse,
+                                                                    "--density", "0.4"]))
+    formats = {type(linear.fmt) for _, linear in model.projections()}
+    assert formats == ({MackoWeight} if sparse == "macko" else {DenseWeight})
+    assert label == ("macko d=0.4" if sparse == "macko" else "dense")
 
 
 def test_profile_app_without_a_gpu_says_so(capsys, monkeypatch):
