@@ -9,7 +9,8 @@ namespace minfer {
 // Launch knobs for benchmarking; 0 (or -1 for x_in_smem) picks the tuned default.
 struct MackoTuning {
     int steps = 0;            // 256-entry warp steps loaded per pipeline stage: 1 or 2
-    int warps_per_block = 0;  // 4, 8 or 16 warps, one row per warp at a time
+    int warps_per_block = 0;  // 4, 8 or 16 warps, one row per warp at a time (0, one token: as many as
+                              // give every warp the same number of rows, at most 16)
     int x_in_smem = -1;       // 1 (and the default): stage x in shared memory when it fits; 0: gather x from global
     int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };

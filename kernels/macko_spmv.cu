@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(kDecompressWarpsPerBlock * kWarpSize, 3) macko
 // ---------------------------------------------------------------------------------------------
 
 // Defaults from the launch sweep on an H100 (docs/perf-notes.md, "MACKO"): 2 steps per stage,
-// 16 warps per block, x in shared memory whenever it fits.
+// 16 warps per block (at most, for one token: balanced_grid), x in shared memory whenever it fits.
 constexpr int kDefaultSteps = 2;
 constexpr int kDefaultWarpsPerBlock = 16;
 
@@ -623,6 +623,25 @@ dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_byte
     return dim3(wanted < resident ? wanted : resident, passes);
 }
 
+// The one-token kernel's grid: all block slots of `max_warps`-warp blocks, each block given just enough
+// warps that the rows split into whole rounds, so that every warp walks the same number of rows (but in a
+// last round short by less than one row per block) and every SM holds the same number of warps. With
+// max_warps per block throughout, the rows' last round (e.g. 896 of 4224 warps for 22016 rows) kept the
+// other warps idle: +2.7% end to end at d = 0.5 (docs/perf-notes.md, session 15).
+struct BalancedGrid {
+    dim3 grid;
+    int warps_per_block;
+};
+
+template <typename Kernel>
+BalancedGrid balanced_grid(Kernel kernel, int rows, int max_warps, int smem_bytes, int passes) {
+    const int slots = resident_blocks_per_sm(kernel, max_warps * kWarpSize, smem_bytes) * device_limits().sm_count;
+    const int rounds = ceil_div(rows, slots * max_warps);
+    const int warps = ceil_div(ceil_div(rows, rounds), slots);
+    const int blocks = ceil_div(rows, warps);
+    return {dim3(blocks < slots ? blocks : slots, passes), warps};
+}
+
 template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
                        int rows, int cols, int tokens, bool accumulate, int warps_per_block, cudaStream_t stream) {
@@ -634,15 +653,18 @@ void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t*
                     static_cast<T*>(out), rows, cols, tokens, accumulate);
 }
 
+// warps_per_block 0: the balanced grid of kDefaultWarpsPerBlock-warp slots.
 template <typename T, int STEPS>
 void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                            void* out, int rows, int cols, int tokens, bool accumulate, int warps_per_block,
                            cudaStream_t stream) {
     auto kernel = macko_spmv_one_token_kernel<T, STEPS>;
     const int smem = cols * (int)sizeof(float);
-    launch_with_pdl(kernel, persistent_grid(kernel, rows, warps_per_block, smem, tokens), dim3(warps_per_block * kWarpSize),
-                    smem, stream, true, static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas),
-                    row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
+    const BalancedGrid launch = warps_per_block > 0
+                                    ? BalancedGrid{persistent_grid(kernel, rows, warps_per_block, smem, tokens), warps_per_block}
+                                    : balanced_grid(kernel, rows, kDefaultWarpsPerBlock, smem, tokens);
+    launch_with_pdl(kernel, launch.grid, dim3(launch.warps_per_block * kWarpSize), smem, stream, true,
+                    static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
 }
 
 template <typename T, int STEPS>
@@ -683,7 +705,8 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
                                                         accumulate, warps, stream);
     if (x_in_smem && per_pass == 1) {
         auto one_token = steps == 1 ? launch_spmv_one_token<T, 1> : launch_spmv_one_token<T, 2>;
-        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, warps, stream);
+        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, tuning.warps_per_block,
+                         stream);
     }
     auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
     launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, per_pass, x_in_smem, warps, stream);

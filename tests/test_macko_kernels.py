@@ -117,6 +117,18 @@ def assert_every_row_close(out, matrix, x):
     assert worst < 2e-3, f"worst row error {worst}"
 
 
+@pytest.mark.parametrize("rounds, extra_rows", [(0, 5), (1, -1), (1, 0), (1, 1), (2, -17), (2, 1), (5, 7)])
+def test_spmv_one_token_balanced_grid_every_row(rounds, extra_rows):
+    """The default one-token grid gives each of its 2 blocks per SM just enough warps (at most 16) for
+    the rows to split into whole rounds: row counts around multiples of 32 warps per SM give blocks
+    of 16, 15, 11, ... warps and a last round short by a few rows."""
+    slots = 2 * torch.cuda.get_device_properties(0).multi_processor_count * 16
+    rows = rounds * slots + extra_rows
+    matrix = sparse_matrix(rows, 300, 0.3, seed=rows)
+    out, x = run_spmv(matrix, 1)
+    assert_every_row_close(out, matrix, x)
+
+
 @pytest.mark.parametrize("steps", [1, 2])
 def test_spmv_one_token_rows_ending_early(steps):
     """Rows whose last nonzero comes early, each followed by a full row: the one-token kernel reads
