@@ -660,11 +660,12 @@ void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int3
                            cudaStream_t stream) {
     auto kernel = macko_spmv_one_token_kernel<T, STEPS>;
     const int smem = cols * (int)sizeof(float);
-    const BalancedGrid launch = warps_per_block > 0
-                                    ? BalancedGrid{persistent_grid(kernel, rows, warps_per_block, smem, tokens), warps_per_block}
-                                    : balanced_grid(kernel, rows, kDefaultWarpsPerBlock, smem, tokens);
+    const BalancedGrid launch =
+        warps_per_block > 0 ? BalancedGrid{persistent_grid(kernel, rows, warps_per_block, smem, tokens), warps_per_block}
+                            : balanced_grid(kernel, rows, kDefaultWarpsPerBlock, smem, tokens);
     launch_with_pdl(kernel, launch.grid, dim3(launch.warps_per_block * kWarpSize), smem, stream, true,
-                    static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr, static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
+                    static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
+                    static_cast<const uint16_t*>(x), static_cast<T*>(out), rows, cols, accumulate);
 }
 
 template <typename T, int STEPS>
