@@ -615,11 +615,16 @@ int resident_blocks_per_sm(Kernel kernel, int threads, int smem_bytes) {
     return it->second;
 }
 
+// Blocks of `kernel` resident on the whole device at once.
+template <typename Kernel>
+int block_slots(Kernel kernel, int warps_per_block, int smem_bytes) {
+    return resident_blocks_per_sm(kernel, warps_per_block * kWarpSize, smem_bytes) * device_limits().sm_count;
+}
+
 template <typename Kernel>
 dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_bytes, int passes) {
     const int wanted = ceil_div(rows, warps_per_block);
-    const int resident = resident_blocks_per_sm(kernel, warps_per_block * kWarpSize, smem_bytes) *
-                         device_limits().sm_count;
+    const int resident = block_slots(kernel, warps_per_block, smem_bytes);
     return dim3(wanted < resident ? wanted : resident, passes);
 }
 
@@ -635,7 +640,7 @@ struct BalancedGrid {
 
 template <typename Kernel>
 BalancedGrid balanced_grid(Kernel kernel, int rows, int max_warps, int smem_bytes, int passes) {
-    const int slots = resident_blocks_per_sm(kernel, max_warps * kWarpSize, smem_bytes) * device_limits().sm_count;
+    const int slots = block_slots(kernel, max_warps, smem_bytes);  // blocks given fewer warps keep this count
     const int rounds = ceil_div(rows, slots * max_warps);
     const int warps = ceil_div(ceil_div(rows, rounds), slots);
     const int blocks = ceil_div(rows, warps);

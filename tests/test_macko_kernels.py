@@ -121,7 +121,7 @@ def assert_every_row_close(out, matrix, x):
 def test_spmv_one_token_balanced_grid_every_row(rounds, extra_rows):
     """The default one-token grid gives each of its 2 blocks per SM just enough warps (at most 16) for
     the rows to split into whole rounds: row counts around multiples of 32 warps per SM give blocks
-    of 16, 15, 11, ... warps and a last round short by a few rows."""
+    of 1, 9, 11, 14 or 16 warps and last rounds short by a few rows."""
     slots = 2 * torch.cuda.get_device_properties(0).multi_processor_count * 16
     rows = rounds * slots + extra_rows
     matrix = sparse_matrix(rows, 300, 0.3, seed=rows)
