@@ -225,8 +225,8 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 }
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
-                at::Tensor& out, int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline,
-                bool accumulate) {
+                at::Tensor& out, const std::optional<at::Tensor>& norm_weight, double eps, int64_t steps,
+                int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline, bool accumulate) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
@@ -243,6 +243,19 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
+    minfer::MackoNorm norm;
+    if (norm_weight) {
+        check_cuda_contiguous(*norm_weight, "norm_weight");
+        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == cols &&
+                         norm_weight->scalar_type() == values.scalar_type() && norm_weight->device() == values.device(),
+                     "minfer.macko_spmv: norm_weight must be [", cols, "] in the values' dtype, on their device");
+        MINFER_CHECK(tokens == 1 && cols <= minfer::kMackoNormMaxCols && pipeline != 0 && x_in_smem != 0,
+                     "minfer.macko_spmv: the norm is fused for one token of at most ", minfer::kMackoNormMaxCols,
+                     " columns on the pipelined kernel with x in shared memory (got ", tokens, " tokens of ", cols,
+                     " columns); run rms_norm first otherwise");
+        norm.weight = norm_weight->data_ptr();
+        norm.eps = (float)eps;
+    }
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::MackoTuning tuning;
     tuning.steps = (int)steps;
@@ -250,8 +263,8 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, dtype_of(values), tuning,
-                              current_stream());
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, norm, dtype_of(values),
+                              tuning, current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -441,7 +454,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("embedding(Tensor table, Tensor tokens, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

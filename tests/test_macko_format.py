@@ -180,6 +180,21 @@ def test_forward_on_cpu_matches_float64(tokens):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
 
 
+def test_spmv_reference_with_norm_and_residual_matches_float64():
+    """The CPU path of macko_spmv with the fusions: (g * RMSNorm(x)) @ W.T + residual."""
+    matrix = torch.randn(24, 72)
+    matrix[torch.rand(24, 72) > 0.4] = 0
+    values, deltas, row_ptr = compress(matrix.half())
+    x, g, residual = torch.randn(1, 72).half(), (torch.rand(72) + 0.5).half(), torch.randn(1, 24).half()
+    x64 = x.double()
+    normed = x64 * g.double() * torch.rsqrt(x64.square().mean(dim=-1, keepdim=True) + 1e-5)
+    ref = normed @ matrix.half().double().T + residual.double()
+    ops.macko_spmv(values, deltas, row_ptr, x, out=residual, norm_weight=g, eps=1e-5, accumulate=True)
+    assert ((residual.double() - ref).norm() / ref.norm()).item() < 2e-3
+    with pytest.raises(FormatError, match="norm_weight must be"):
+        ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g[:8])
+
+
 def test_bad_inputs_raise_format_errors():
     with pytest.raises(FormatError, match="float16, bfloat16 or float32"):
         compress(torch.zeros(2, 2, dtype=torch.int32))

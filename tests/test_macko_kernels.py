@@ -186,7 +186,11 @@ def test_opcheck():
     for tokens in (1, 5):
         x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
         out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
-        torch.library.opcheck(torch.ops.minfer.macko_spmv, (values, deltas, row_ptr, x, out, 0, 0, -1, 1, False))
+        torch.library.opcheck(torch.ops.minfer.macko_spmv,
+                              (values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False))
+    g = torch.rand(300, device="cuda", dtype=torch.float16) + 0.5
+    torch.library.opcheck(torch.ops.minfer.macko_spmv,
+                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, 0, 0, -1, 1, False))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
@@ -257,6 +261,60 @@ def test_weight_project_adds_into_the_residual():
     assert ((residual.double() - expected).norm() / expected.norm()).item() < 2e-3
 
 
+def normed_product(x, g, matrix, eps=1e-5):
+    """float64 oracle of the fused norm, (g * x) @ W.T * rsqrt(mean(x^2) + eps), with g * x rounded to
+    x's dtype as the kernel stages it (bf16 rounding of a few cancelling terms would otherwise dominate)."""
+    scale = torch.rsqrt(x.double().square().mean(dim=-1, keepdim=True) + eps)
+    return ((x * g).double() @ matrix.double().T) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols, aligned", [(1, 7, True), (37, 1000, True), (300, 4097, True),
+                                                 (64, 11008, True), (5, 16384, True), (300, 4096, False)])
+def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
+    """One token with a norm weight runs the norm inside the SpMV (x and g staged by vectors when
+    both are 16-byte aligned, one by one otherwise), with and without the residual add."""
+    matrix = sparse_matrix(rows, cols, 0.5, dtype=dtype, seed=rows + cols)
+    values, deltas, row_ptr = compress(matrix)
+    x = (torch.randn(1, cols, device="cuda") * 3).to(dtype)
+    g_storage = (torch.rand(cols + 1, device="cuda") + 0.5).to(dtype)
+    g = g_storage[:cols] if aligned else g_storage[1:]
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5)
+    expected = normed_product(x, g, matrix)
+    assert ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item() < tolerance
+    residual = torch.randn(1, rows, device="cuda").to(dtype)
+    expected = expected + residual.double()
+    ops.macko_spmv(values, deltas, row_ptr, x, out=residual, norm_weight=g, eps=1e-5, accumulate=True)
+    assert ((residual.double() - expected).norm() / expected.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
+                         ids=["tokens-3", "x-global", "reference"])
+def test_spmv_norm_falls_back_to_the_rms_norm_kernel(tokens, tuning):
+    """Inputs the kernel cannot fuse the norm into run the rms_norm kernel first, with the same result."""
+    matrix = sparse_matrix(300, 1000, 0.3, seed=tokens)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
+    g = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
+    out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, **tuning)
+    expected = normed_product(x, g, matrix)
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 2e-3
+
+
+def test_weight_project_fuses_norm_and_activation():
+    """The MLP's gate_up: the norm in the SpMV, then silu(gate) * up."""
+    matrix = sparse_matrix(128, 256, 0.5, seed=5)
+    weight = MackoWeight.from_dense(matrix)
+    x = torch.randn(1, 1, 256, device="cuda", dtype=torch.float16)
+    g = torch.rand(256, device="cuda", dtype=torch.float16) + 0.5
+    out = weight.project(x, g, 1e-5, silu_mul=True)
+    gate, up = normed_product(x.view(1, 256), g, matrix).chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert out.shape == (1, 1, 64)
+    assert ((out.view(1, 64).double() - expected).norm() / expected.norm()).item() < 2e-3
+
+
 def small_macko():
     ops.build()  # these tests call torch.ops.minfer directly
     values, deltas, row_ptr = compress(sparse_matrix(8, 64, 0.5))
@@ -267,14 +325,14 @@ def test_binding_rejects_dtype_mismatch():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_wrong_out_shape():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_misaligned_values():
@@ -282,4 +340,15 @@ def test_binding_rejects_misaligned_values():
     misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False)
+
+
+def test_binding_rejects_a_norm_it_cannot_fuse():
+    values, deltas, row_ptr, x = small_macko()
+    g = torch.ones(64, device="cuda", dtype=torch.float16)
+    two_tokens = x.expand(2, 64).contiguous()
+    out = torch.empty(2, 8, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="fused for one token"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, 0, 0, -1, 1, False)
+    with pytest.raises(RuntimeError, match="norm_weight must be"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, 0, 0, -1, 1, False)

@@ -183,19 +183,23 @@ class MackoWeight(WeightFormat):
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        """Decode adds into the residual stream inside the SpMV kernel; the norm and the MLP activation
-        run as kernels of their own."""
+        """Decode runs the norm (one token) and the residual add inside the SpMV kernel; the MLP
+        activation runs as a kernel of its own."""
         tokens = x.numel() // max(self.in_features, 1)
-        fused_add = (residual is not None and residual.is_contiguous() and ops.use_kernels(x)
-                     and self.values.dtype != torch.float32 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS)
-        if norm_weight is not None:
-            x = ops.rms_norm(x, norm_weight, eps)
-        if not fused_add:
-            return super().project(x, residual=residual, silu_mul=silu_mul)
-        flat = x.reshape(-1, self.in_features).contiguous()
-        ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, out=residual.view(tokens, self.out_features),
-                       accumulate=True)
-        return residual
+        if not (ops.use_kernels(x) and self.values.dtype != torch.float32
+                and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS):
+            return super().project(x, norm_weight, eps, residual, silu_mul)
+        flat = x.reshape(tokens, self.in_features).contiguous()
+        adds_in_place = residual is not None and residual.is_contiguous() and not silu_mul
+        y = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, norm_weight=norm_weight, eps=eps,
+                           out=residual.view(tokens, self.out_features) if adds_in_place else None,
+                           accumulate=adds_in_place)
+        if adds_in_place:
+            return residual
+        if silu_mul:
+            y = ops.silu_mul(y)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if residual is None else residual.add_(y)
 
     # --- what the reports show -------------------------------------------------------------
 
