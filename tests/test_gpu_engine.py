@@ -8,9 +8,11 @@ import torch
 
 from minfer.checkpoint import random_init
 from minfer.config import ModelConfig
+from minfer.formats import MackoWeight, convert
 from minfer.generate import Generator
 from minfer.model import Transformer
 from minfer.sampling import SamplingParams
+from minfer.sparsity import prune_model_
 from tests.conftest import requires_cuda
 
 # Small, but with Llama-2's head size and a vocabulary that is not a multiple of 64.
@@ -30,10 +32,11 @@ def cpu_model() -> Transformer:
     return model
 
 
-def gpu_model(dtype=torch.float16) -> Transformer:
+def gpu_model(dtype=torch.float16, source: Transformer | None = None) -> Transformer:
+    """The weights of `source` (cpu_model() by default) on the GPU in `dtype`."""
     model = Transformer(ModelConfig.from_hf(CONFIG)).materialize("cuda", dtype)
     with torch.no_grad():
-        for name, tensor in cpu_model().checkpoint_tensors().items():
+        for name, tensor in (source or cpu_model()).checkpoint_tensors().items():
             model.checkpoint_tensors()[name].copy_(tensor)
     return model
 
@@ -70,6 +73,26 @@ def test_graph_decode_equals_eager_decode(params):
 @requires_cuda
 def test_fp16_gpu_logits_track_fp32_cpu():
     reference, model = cpu_model(), gpu_model()
+    reference.setup_caches(1, 320)
+    model.setup_caches(1, 320)
+    tokens = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        expected = reference(tokens, torch.arange(len(PROMPT)), kv_len=len(PROMPT))
+        out = model(tokens.cuda(), torch.arange(len(PROMPT), device="cuda"), kv_len=len(PROMPT))
+        assert rel_err(out, expected) < 1e-2
+        for pos, token in enumerate([5, 77, 1998, 400], start=len(PROMPT)):
+            step_ref = reference(torch.tensor([[token]]), torch.tensor([pos]), kv_len=320)
+            step = model(torch.tensor([[token]], device="cuda"), torch.tensor([pos], device="cuda"), kv_len=256 + 64)
+            assert rel_err(step, step_ref) < 1e-2, f"decode step at position {pos}"
+
+
+@requires_cuda
+def test_macko_decode_tracks_fp32_cpu():
+    """A pruned model stored as MACKO: prefill (decompressed blocks) and decode steps (the SpMV with the
+    RMSNorm, the MLP activation and the residual add fused into it) track the pruned fp32 model on the CPU."""
+    reference = prune_model_(cpu_model(), 0.5, progress=False)
+    model = convert(gpu_model(source=reference), "macko")
+    assert all(isinstance(linear.fmt, MackoWeight) for _, linear in model.projections())
     reference.setup_caches(1, 320)
     model.setup_caches(1, 320)
     tokens = torch.tensor([PROMPT])
