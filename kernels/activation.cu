@@ -16,7 +16,7 @@ __global__ void silu_mul_kernel(const T* gate_up, T* __restrict__ out, int64_t i
          i += (int64_t)gridDim.x * blockDim.x) {
         const float g = to_float(gate[i]);
         const float u = to_float(up[i]);
-        out[t * inter + i] = from_float<T>(silu_times(g, u));
+        out[t * inter + i] = from_float<T>(g / (1.0f + __expf(-g)) * u);
     }
 }
 

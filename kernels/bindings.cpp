@@ -225,17 +225,15 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 }
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
-                at::Tensor& out, const std::optional<at::Tensor>& norm_weight, double eps, bool gate_up_input,
-                int64_t steps, int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline, bool accumulate) {
+                at::Tensor& out, const std::optional<at::Tensor>& norm_weight, double eps, int64_t steps,
+                int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline, bool accumulate) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
     MINFER_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.macko_spmv: expects x [T, K] and out [T, N]");
-    MINFER_CHECK(!gate_up_input || x.size(1) % 2 == 0, "minfer.macko_spmv: a gate_up input needs an even width, got ",
-                 x.size(1));
-    const int64_t rows = row_ptr.numel() - 1, cols = gate_up_input ? x.size(1) / 2 : x.size(1), tokens = x.size(0);
+    const int64_t rows = row_ptr.numel() - 1, cols = x.size(1), tokens = x.size(0);
     MINFER_CHECK(out.size(0) == tokens && out.size(1) == rows, "minfer.macko_spmv: out must be [", tokens, ", ", rows, "]");
-    MINFER_CHECK(x.size(1) <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
+    MINFER_CHECK(cols <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
     MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
                 "minfer.macko_spmv: values, x and out must share one dtype");
     MINFER_CHECK(x.device() == values.device() && out.device() == values.device(),
@@ -245,22 +243,19 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, "minfer.macko_spmv: steps must be 0 (auto), 1 or 2");
     MINFER_CHECK(warps_per_block == 0 || warps_per_block == 4 || warps_per_block == 8 || warps_per_block == 16,
                 "minfer.macko_spmv: warps_per_block must be 0 (auto), 4, 8 or 16");
-    minfer::MackoInput input;
-    input.gate_up = gate_up_input;
+    minfer::MackoNorm norm;
     if (norm_weight) {
         check_cuda_contiguous(*norm_weight, "norm_weight");
         MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == cols &&
                          norm_weight->scalar_type() == values.scalar_type() && norm_weight->device() == values.device(),
                      "minfer.macko_spmv: norm_weight must be [", cols, "] in the values' dtype, on their device");
-        MINFER_CHECK(!gate_up_input, "minfer.macko_spmv: a norm and a gate_up input do not go together");
-        input.norm_weight = norm_weight->data_ptr();
-        input.eps = (float)eps;
+        MINFER_CHECK(tokens == 1 && cols <= minfer::kMackoNormMaxCols && pipeline != 0 && x_in_smem != 0,
+                     "minfer.macko_spmv: the norm is fused for one token of at most ", minfer::kMackoNormMaxCols,
+                     " columns on the pipelined kernel with x in shared memory (got ", tokens, " tokens of ", cols,
+                     " columns); run rms_norm first otherwise");
+        norm.weight = norm_weight->data_ptr();
+        norm.eps = (float)eps;
     }
-    MINFER_CHECK(!input.transforms() ||
-                     (tokens == 1 && cols <= minfer::kMackoStagedInputMaxCols && pipeline != 0 && x_in_smem != 0),
-                 "minfer.macko_spmv: the norm or the activation is fused for one token of at most ",
-                 minfer::kMackoStagedInputMaxCols, " columns on the pipelined kernel with x in shared memory (got ",
-                 tokens, " tokens of ", cols, " columns); run rms_norm or silu_mul first otherwise");
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::MackoTuning tuning;
     tuning.steps = (int)steps;
@@ -268,7 +263,7 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, input, dtype_of(values),
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, norm, dtype_of(values),
                               tuning, current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -459,7 +454,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("embedding(Tensor table, Tensor tokens, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, bool gate_up_input, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

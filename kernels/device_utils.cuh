@@ -33,9 +33,6 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The Llama MLP's activation: silu(gate) * up, in fp32 (every kernel that applies it rounds the same).
-__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; }
-
 // A 16-bit pair (low half first) as two floats.
 template <typename T> __device__ __forceinline__ float2 pair_to_float2(uint32_t bits);
 template <> __device__ __forceinline__ float2 pair_to_float2<half>(uint32_t bits) {

@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         }
         if constexpr (kSiluMul) {
             const float gate = c[j] * scale, up = c[2 + j] * scale;
-            if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(silu_times(gate, up));
+            if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
             continue;
         }
         const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
@@ -257,7 +257,7 @@ __global__ void gemv_scalar_kernel(const T* __restrict__ x, const T* __restrict_
         const float up = silu_mul ? warp_sum(up_acc[tok]) * scale : 0.0f;
         const int64_t idx = (int64_t)tok * outputs + row;
         if (lane != 0) continue;
-        if (silu_mul) out[idx] = from_float<T>(silu_times(sum, up));
+        if (silu_mul) out[idx] = from_float<T>(sum / (1.0f + __expf(-sum)) * up);
         else out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
     }
 }

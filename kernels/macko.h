@@ -15,28 +15,22 @@ struct MackoTuning {
     int pipeline = 1;         // 0: the reference kernel's schedule (load, then decode; x from global)
 };
 
-// The step before a Llama projection, fused into a one-token SpMV's staging of x (each block stages
-// all of x as fp32 in shared memory, so the transform costs no kernel and no pass of its own):
-// - the RMSNorm: x is replaced by g * x * rsqrt(mean(x^2) + eps), with g * x rounded to the dtype and
-//   the fp32 scale applied to each row's sum (as the fused GEMV computes it);
-// - the MLP's activation: x holds [gate, up] (2 cols per token) and is replaced by silu(gate) * up,
-//   rounded to the dtype (as the silu_mul kernel computes it).
-struct MackoInput {
-    const void* norm_weight = nullptr;  // g [cols] in the values' dtype; null: no norm
+// The RMSNorm of a Llama sublayer, fused into a one-token SpMV: x is replaced by
+// g * x * rsqrt(mean(x^2) + eps), with g * x rounded to the dtype and the fp32 scale applied to each
+// row's sum (as the fused GEMV computes it). Each block stages all of x as fp32 in shared memory.
+struct MackoNorm {
+    const void* weight = nullptr;  // g [cols] in the values' dtype; null: no norm
     float eps = 0.f;
-    bool gate_up = false;  // x is [tokens, 2 cols]: silu(gate) * up (not with a norm)
-    bool transforms() const { return norm_weight != nullptr || gate_up; }
 };
-constexpr int kMackoStagedInputMaxCols = 16384;  // 64 KB of fp32 x per block
+constexpr int kMackoNormMaxCols = 16384;  // 64 KB of fp32 x per block
 
 // out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
 // residual add of a Llama sublayer, in place). x is [tokens, cols], out is [tokens, rows], both
-// contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned. An input
-// transform needs tokens == 1, cols <= kMackoStagedInputMaxCols, the pipelined kernel and x in
-// shared memory.
+// contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned. A norm
+// needs tokens == 1, cols <= kMackoNormMaxCols, the pipelined kernel and x in shared memory.
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                        void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate,
-                       const MackoInput& input, DType dtype, const MackoTuning& tuning, cudaStream_t stream);
+                       const MackoNorm& norm, DType dtype, const MackoTuning& tuning, cudaStream_t stream);
 
 // out = W as a dense, contiguous [rows, cols] matrix (every element written).
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,

@@ -244,59 +244,50 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
     return (j & 1) ? f.y : f.x;
 }
 
-// What the one-token kernel stages as x (MackoInput).
-enum class Staged { kX, kNormedX, kSiluMul };
-
-// x (one token) -> shared memory as fp32. kNormedX: g * x (rounded to T), and the return value is
-// this thread's share of sum(x^2); kSiluMul: x is [gate, up], staged as silu(gate) * up (rounded to T).
-// Vector loads are issued in batches before their first use, so a block waits about one L2 round trip
-// however long x is. Coherent loads for x: the previous kernel may have written it (PDL).
-template <typename T, Staged STAGED>
+// x (one token) -> shared memory as fp32; with NORM, g * x (rounded to T) and the return value is
+// this thread's share of sum(x^2). Vector loads are issued in batches before their first use, so a
+// block waits about one L2 round trip however long x is. Coherent loads: the previous kernel may
+// have written x (PDL).
+template <typename T, bool NORM>
 __device__ __forceinline__ float stage_x_fp32(const uint16_t* x, const uint16_t* g, int cols, float* xs) {
-    // The second operand of each element: g (the norm weight) or up.
-    const uint16_t* other = STAGED == Staged::kSiluMul ? x + cols : g;
     float squares = 0.f;
-    const auto combine = [&](float xi, float oi) {
-        if constexpr (STAGED == Staged::kNormedX) {
-            squares = fmaf(xi, xi, squares);
-            return to_float(from_float<T>(xi * oi));  // the product is exact in fp32: rounded once, as in T
-        } else if constexpr (STAGED == Staged::kSiluMul) {
-            return to_float(from_float<T>(silu_times(xi, oi)));
-        } else {
-            return xi;
-        }
-    };
-    if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
-        (STAGED == Staged::kNormedX && reinterpret_cast<uintptr_t>(g) % 16 != 0)) {
+    if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(g) % 16 != 0) {
         for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            const float oi = STAGED == Staged::kX ? 0.f : bits_to_float<T>(load_coherent_u16(other + i));
-            xs[i] = combine(bits_to_float<T>(load_coherent_u16(x + i)), oi);
+            const float xi = bits_to_float<T>(load_coherent_u16(x + i));
+            if constexpr (NORM) {
+                squares = fmaf(xi, xi, squares);
+                xs[i] = to_float(from_float<T>(xi * bits_to_float<T>(g[i])));  // the product is exact in fp32
+            } else {
+                xs[i] = xi;
+            }
         }
         return squares;
     }
-    const auto widen = [&](uint32_t xw, uint32_t ow) {
-        const float2 f = pair_to_float2<T>(xw), o = pair_to_float2<T>(ow);
-        return make_float2(combine(f.x, o.x), combine(f.y, o.y));
+    const auto widen = [&](uint32_t xw, uint32_t gw) {
+        if constexpr (NORM) {
+            const float2 f = pair_to_float2<T>(xw);
+            squares = fmaf(f.x, f.x, fmaf(f.y, f.y, squares));
+            xw = multiply_pairs<T>(xw, gw);
+        }
+        return pair_to_float2<T>(xw);
     };
     constexpr int kBatch = 4;
     const int vectors = cols / 8;
     for (int first = threadIdx.x; first < vectors; first += kBatch * blockDim.x) {
-        uint4 v[kBatch], ov[kBatch];
+        uint4 v[kBatch], gv[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
             v[u] = i < vectors ? load_coherent_16B(x + 8 * i) : make_uint4(0, 0, 0, 0);
-            if constexpr (STAGED != Staged::kX)
-                ov[u] = i < vectors ? load_coherent_16B(other + 8 * i) : make_uint4(0, 0, 0, 0);
-            else
-                ov[u] = make_uint4(0, 0, 0, 0);
+            if constexpr (NORM)
+                gv[u] = i < vectors ? __ldg(reinterpret_cast<const uint4*>(g) + i) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
             if (i >= vectors) break;
-            const float2 a = widen(v[u].x, ov[u].x), b = widen(v[u].y, ov[u].y);
-            const float2 c = widen(v[u].z, ov[u].z), d = widen(v[u].w, ov[u].w);
+            const float2 a = widen(v[u].x, gv[u].x), b = widen(v[u].y, gv[u].y);
+            const float2 c = widen(v[u].z, gv[u].z), d = widen(v[u].w, gv[u].w);
             reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
             reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
         }
@@ -474,9 +465,10 @@ __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& ni
 }
 
 // out[row] (+)= W[row] . x for one token (blockIdx.y picks it), x staged in shared memory as fp32.
-// Launched as a PDL dependent: stage() runs after the first batch of weights is requested. With a
-// norm, every block computes the token's scale itself from the x it stages anyway.
-template <typename T, Staged STAGED>
+// Launched as a PDL dependent: stage() runs after the first batch of weights is requested. NORM:
+// x is the RMSNorm of the token (MackoNorm); every block computes the token's scale itself, from
+// the x it stages anyway, so the norm costs no kernel and no pass over x of its own.
+template <typename T, bool NORM>
 struct OneTokenConsumer {
     const uint16_t* x;
     T* __restrict__ out;
@@ -492,8 +484,8 @@ struct OneTokenConsumer {
     __device__ __forceinline__ void stage() {
         allow_dependents_to_launch();
         wait_for_previous_kernel();
-        const float squares = stage_x_fp32<T, STAGED>(x, norm_weight, cols, xs);
-        if constexpr (STAGED == Staged::kNormedX) {
+        const float squares = stage_x_fp32<T, NORM>(x, norm_weight, cols, xs);
+        if constexpr (NORM) {
             __shared__ float warp_squares[kMaxThreads / kWarpSize];
             const float warp_total = warp_sum(squares);
             if (lane == 0) warp_squares[threadIdx.x / kWarpSize] = warp_total;
@@ -516,12 +508,12 @@ struct OneTokenConsumer {
 
     __device__ __forceinline__ void end_row(int row) {
         float sum = warp_sum(acc.x + acc.y);
-        if constexpr (STAGED == Staged::kNormedX) sum *= row_scale;
+        if constexpr (NORM) sum *= row_scale;
         if (lane == 0) out[row] = from_float<T>(sum + (accumulate ? to_float(out[row]) : 0.f));
     }
 };
 
-template <typename T, int STEPS, Staged STAGED>
+template <typename T, int STEPS, bool NORM>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
                                                                            const uint32_t* __restrict__ deltas,
                                                                            const int* __restrict__ row_ptr,
@@ -532,9 +524,8 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
-    const int64_t x_stride = STAGED == Staged::kSiluMul ? 2 * (int64_t)cols : cols;
-    OneTokenConsumer<T, STAGED> consumer{x + blockIdx.y * x_stride, out + (int64_t)blockIdx.y * rows,
-                                         reinterpret_cast<float*>(smem), norm_weight, eps, cols, lane, accumulate};
+    OneTokenConsumer<T, NORM> consumer{x + (int64_t)blockIdx.y * cols, out + (int64_t)blockIdx.y * rows,
+                                       reinterpret_cast<float*>(smem), norm_weight, eps, cols, lane, accumulate};
     walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize, gridDim.x * warps,
                      lane, consumer);
 }
@@ -711,27 +702,19 @@ void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t*
 }
 
 // warps_per_block 0: the balanced grid of kDefaultWarpsPerBlock-warp slots.
-template <typename T, int STEPS, Staged STAGED>
+template <typename T, int STEPS, bool NORM>
 void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
-                           void* out, int rows, int cols, int tokens, bool accumulate, const MackoInput& input,
+                           void* out, int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm,
                            int warps_per_block, cudaStream_t stream) {
-    auto kernel = macko_spmv_one_token_kernel<T, STEPS, STAGED>;
+    auto kernel = macko_spmv_one_token_kernel<T, STEPS, NORM>;
     const int smem = cols * (int)sizeof(float);
     const BalancedGrid launch =
         warps_per_block > 0 ? BalancedGrid{persistent_grid(kernel, rows, warps_per_block, smem, tokens), warps_per_block}
                             : balanced_grid(kernel, rows, kDefaultWarpsPerBlock, smem, tokens);
     launch_with_pdl(kernel, launch.grid, dim3(launch.warps_per_block * kWarpSize), smem, stream, true,
                     static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
-                    static_cast<const uint16_t*>(x), static_cast<T*>(out),
-                    static_cast<const uint16_t*>(input.norm_weight), input.eps, rows, cols, accumulate);
-}
-
-template <typename T, Staged STAGED>
-void launch_spmv_one_token_steps(int steps, const void* values, const uint8_t* deltas, const int32_t* row_ptr,
-                                 const void* x, void* out, int rows, int cols, int tokens, bool accumulate,
-                                 const MackoInput& input, int warps_per_block, cudaStream_t stream) {
-    auto launch = steps == 1 ? launch_spmv_one_token<T, 1, STAGED> : launch_spmv_one_token<T, 2, STAGED>;
-    launch(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, input, warps_per_block, stream);
+                    static_cast<const uint16_t*>(x), static_cast<T*>(out), static_cast<const uint16_t*>(norm.weight),
+                    norm.eps, rows, cols, accumulate);
 }
 
 template <typename T, int STEPS>
@@ -751,7 +734,7 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
 
 template <typename T>
 void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, bool accumulate, const MackoInput& input,
+                       int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm,
                        const MackoTuning& tuning, cudaStream_t stream) {
     const int smem_optin = device_limits().smem_optin;
     // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
@@ -770,11 +753,12 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
                                                         accumulate, warps, stream);
-    if (x_in_smem && per_pass == 1) {  // the only path an input transform takes (the binding checks that)
-        auto one_token = input.norm_weight ? launch_spmv_one_token_steps<T, Staged::kNormedX>
-                         : input.gate_up   ? launch_spmv_one_token_steps<T, Staged::kSiluMul>
-                                           : launch_spmv_one_token_steps<T, Staged::kX>;
-        return one_token(steps, values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, input,
+    if (x_in_smem && per_pass == 1) {  // the only path a norm takes (the binding checks that it does)
+        auto one_token = norm.weight ? (steps == 1 ? launch_spmv_one_token<T, 1, true>
+                                                   : launch_spmv_one_token<T, 2, true>)
+                                     : (steps == 1 ? launch_spmv_one_token<T, 1, false>
+                                                   : launch_spmv_one_token<T, 2, false>);
+        return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, norm,
                          tuning.warps_per_block, stream);
     }
     auto launch = steps == 1 ? launch_spmv_steps<T, 1> : launch_spmv_steps<T, 2>;
@@ -785,16 +769,16 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
 
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                        void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate,
-                       const MackoInput& input, DType dtype, const MackoTuning& tuning, cudaStream_t stream) {
+                       const MackoNorm& norm, DType dtype, const MackoTuning& tuning, cudaStream_t stream) {
     if (rows == 0 || tokens == 0) return;
     switch (dtype) {
         case DType::kFloat16:
             launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, accumulate,
-                                    input, tuning, stream);
+                                    norm, tuning, stream);
             break;
         case DType::kBFloat16:
             launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
-                                             accumulate, input, tuning, stream);
+                                             accumulate, norm, tuning, stream);
             break;
         case DType::kFloat32: break;  // rejected by the binding
     }

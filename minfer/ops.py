@@ -396,12 +396,12 @@ def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: to
     return linear_reference(x, weight, norm_weight, eps, residual)
 
 
-MACKO_STAGED_INPUT_MAX_COLS = 16384  # kernels/macko.h, kMackoStagedInputMaxCols
+MACKO_NORM_MAX_COLS = 16384  # kernels/macko.h, kMackoNormMaxCols
 
 
 @fake_impl("minfer::macko_spmv")
-def _macko_spmv_fake(values, deltas, row_ptr, x, out, norm_weight, eps, gate_up_input, steps, warps_per_block,
-                     x_in_smem, pipeline, accumulate):
+def _macko_spmv_fake(values, deltas, row_ptr, x, out, norm_weight, eps, steps, warps_per_block, x_in_smem, pipeline,
+                     accumulate):
     return None
 
 
@@ -412,45 +412,34 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
 
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
                out: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               gate_up_input: bool = False, accumulate: bool = False, steps: int = 0, warps_per_block: int = 0,
-               x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
+               accumulate: bool = False, steps: int = 0, warps_per_block: int = 0, x_in_smem: int = -1,
+               pipeline: int = 1) -> torch.Tensor:
     """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
-    `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer). The step before the
-    projection can come with it: `norm_weight` g [K] replaces x by its RMSNorm times g (eps as in the
-    model); `gate_up_input` takes x as the MLP's [gate, up] [T, 2K] and multiplies silu(gate) * up.
+    `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer); with `norm_weight`
+    g [K], x is replaced by its RMSNorm times g (eps as in the model).
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
-    passes; prefill should decompress instead). The kernel fuses the norm or the activation into its
-    staging of x for one token of up to MACKO_STAGED_INPUT_MAX_COLS columns (decode); other inputs
-    run the rms_norm or silu_mul kernel first. `steps`, `warps_per_block`, `x_in_smem` are launch
-    knobs for benchmarks, the defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs
-    the reference kernel's schedule (one step loaded then decoded, x gathered from global memory).
-    The op's schema has no defaults (a defaulted argument segfaulted another op on the device), so
-    this wrapper passes every knob.
+    passes; prefill should decompress instead). The kernel fuses the norm for one token of up to
+    MACKO_NORM_MAX_COLS columns (decode); other inputs run the rms_norm kernel first. `steps`,
+    `warps_per_block`, `x_in_smem` are launch knobs for benchmarks, the defaults (0, 0, -1) pick the
+    tuned configuration; `pipeline=0` runs the reference kernel's schedule (one step loaded then
+    decoded, x gathered from global memory). The op's schema has no defaults (a defaulted argument
+    segfaulted another op on the device), so this wrapper passes every knob.
     """
     if accumulate and out is None:
         raise FormatError("macko_spmv(accumulate=True) adds into `out`: pass the tensor to add into")
-    if gate_up_input and norm_weight is not None:
-        raise FormatError("macko_spmv: a norm and a gate_up input do not go together")
-    if gate_up_input and x.shape[-1] % 2:
-        raise FormatError(f"macko_spmv(gate_up_input=True) needs x = [gate, up] of an even width, got {tuple(x.shape)}")
-    cols = x.shape[-1] // 2 if gate_up_input else x.shape[-1]
-    if norm_weight is not None and norm_weight.shape != (cols,):
-        raise FormatError(f"macko_spmv: norm_weight must be [{cols}] for x {tuple(x.shape)}, "
+    if norm_weight is not None and norm_weight.shape != (x.shape[-1],):
+        raise FormatError(f"macko_spmv: norm_weight must be [{x.shape[-1]}] for x {tuple(x.shape)}, "
                           f"got {tuple(norm_weight.shape)}")
     if out is None:
         out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
     if use_kernels(x):
-        stages_input = x.shape[0] == 1 and cols <= MACKO_STAGED_INPUT_MAX_COLS and pipeline != 0 and x_in_smem != 0
-        if norm_weight is not None and not stages_input:
+        fuses_norm = x.shape[0] == 1 and x.shape[1] <= MACKO_NORM_MAX_COLS and pipeline != 0 and x_in_smem != 0
+        if norm_weight is not None and not fuses_norm:
             x, norm_weight = rms_norm(x, norm_weight, eps), None
-        if gate_up_input and not stages_input:
-            x, gate_up_input = silu_mul(x), False
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, norm_weight, eps, gate_up_input, steps,
-                                    warps_per_block, x_in_smem, pipeline, accumulate)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, norm_weight, eps, steps, warps_per_block,
+                                    x_in_smem, pipeline, accumulate)
     else:
-        if gate_up_input:
-            x = silu_mul_reference(x)
         out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None, norm_weight, eps))
     return out
 

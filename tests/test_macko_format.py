@@ -195,22 +195,6 @@ def test_spmv_reference_with_norm_and_residual_matches_float64():
         ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g[:8])
 
 
-def test_spmv_reference_with_gate_up_input_matches_float64():
-    """The CPU path of macko_spmv(gate_up_input=True): (silu(gate) * up) @ W.T."""
-    matrix = torch.randn(24, 72)
-    matrix[torch.rand(24, 72) > 0.4] = 0
-    values, deltas, row_ptr = compress(matrix.half())
-    gate_up = torch.randn(1, 144).half()
-    gate, up = gate_up.double().chunk(2, dim=-1)
-    ref = (torch.nn.functional.silu(gate) * up) @ matrix.half().double().T
-    out = ops.macko_spmv(values, deltas, row_ptr, gate_up, gate_up_input=True)
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
-    with pytest.raises(FormatError, match="even width"):
-        ops.macko_spmv(values, deltas, row_ptr, gate_up[:, :143], gate_up_input=True)
-    with pytest.raises(FormatError, match="do not go together"):
-        ops.macko_spmv(values, deltas, row_ptr, gate_up, gate_up_input=True, norm_weight=torch.ones(72).half())
-
-
 def test_bad_inputs_raise_format_errors():
     with pytest.raises(FormatError, match="float16, bfloat16 or float32"):
         compress(torch.zeros(2, 2, dtype=torch.int32))

@@ -187,13 +187,10 @@ def test_opcheck():
         x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
         out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
         torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                              (values, deltas, row_ptr, x, out, None, 0.0, False, 0, 0, -1, 1, False))
+                              (values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False))
     g = torch.rand(300, device="cuda", dtype=torch.float16) + 0.5
     torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, False, 0, 0, -1, 1, False))
-    gate_up = torch.randn(1, 600, device="cuda", dtype=torch.float16)
-    torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                          (values, deltas, row_ptr, gate_up, out[:1], None, 0.0, True, 0, 0, -1, 1, False))
+                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, 0, 0, -1, 1, False))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
@@ -305,48 +302,6 @@ def test_spmv_norm_falls_back_to_the_rms_norm_kernel(tokens, tuning):
     assert ((out.double() - expected).norm() / expected.norm()).item() < 2e-3
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows, cols", [(1, 7), (37, 1000), (300, 4097), (64, 11008), (5, 16384)])
-def test_spmv_stages_silu_mul(dtype, rows, cols):
-    """One token of x = [gate, up] runs silu(gate) * up inside the SpMV's staging (by vectors when cols
-    is a multiple of 8, one by one otherwise), with and without the residual add."""
-    matrix = sparse_matrix(rows, cols, 0.5, dtype=dtype, seed=rows + cols)
-    values, deltas, row_ptr = compress(matrix)
-    gate_up = (torch.randn(1, 2 * cols, device="cuda") * 2).to(dtype)
-    tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
-    out = ops.macko_spmv(values, deltas, row_ptr, gate_up, gate_up_input=True)
-    expected = ops.silu_mul_reference(gate_up).double() @ matrix.double().T  # the activation rounded, as staged
-    assert ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item() < tolerance
-    residual = torch.randn(1, rows, device="cuda").to(dtype)
-    expected = expected + residual.double()
-    ops.macko_spmv(values, deltas, row_ptr, gate_up, out=residual, gate_up_input=True, accumulate=True)
-    assert ((residual.double() - expected).norm() / expected.norm()).item() < tolerance
-
-
-@pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
-                         ids=["tokens-3", "x-global", "reference"])
-def test_spmv_gate_up_input_falls_back_to_the_silu_mul_kernel(tokens, tuning):
-    matrix = sparse_matrix(300, 1000, 0.3, seed=tokens)
-    values, deltas, row_ptr = compress(matrix)
-    gate_up = torch.randn(tokens, 2000, device="cuda", dtype=torch.float16)
-    out = ops.macko_spmv(values, deltas, row_ptr, gate_up, gate_up_input=True, **tuning)
-    assert relative_error(out, matrix, ops.silu_mul_reference(gate_up)) < 2e-3
-
-
-def test_weight_project_takes_gate_up_raw():
-    """The MLP's down projection at decode: x = [gate, up], silu(gate) * up staged by the SpMV, the
-    result added into the residual; and stages_silu_mul says when it does."""
-    matrix = sparse_matrix(64, 256, 0.5, seed=6)
-    weight = MackoWeight.from_dense(matrix)
-    gate_up = torch.randn(1, 1, 512, device="cuda", dtype=torch.float16)
-    residual = torch.randn(1, 1, 64, device="cuda", dtype=torch.float16)
-    assert weight.stages_silu_mul(gate_up, 1) and not weight.stages_silu_mul(gate_up, 2)
-    assert not weight.stages_silu_mul(gate_up.cpu(), 1)
-    expected = residual.double() + ops.silu_mul_reference(gate_up).double() @ matrix.double().T
-    assert weight.project(gate_up, residual=residual, gate_up_input=True) is residual
-    assert ((residual.double() - expected).norm() / expected.norm()).item() < 2e-3
-
-
 def test_weight_project_fuses_norm_and_activation():
     """The MLP's gate_up: the norm in the SpMV, then silu(gate) * up."""
     matrix = sparse_matrix(128, 256, 0.5, seed=5)
@@ -370,14 +325,14 @@ def test_binding_rejects_dtype_mismatch():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, False, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_wrong_out_shape():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, False, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_misaligned_values():
@@ -385,7 +340,7 @@ def test_binding_rejects_misaligned_values():
     misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, False, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False)
 
 
 def test_binding_rejects_a_norm_it_cannot_fuse():
@@ -394,15 +349,6 @@ def test_binding_rejects_a_norm_it_cannot_fuse():
     two_tokens = x.expand(2, 64).contiguous()
     out = torch.empty(2, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="fused for one token"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, False, 0, 0, -1, 1, False)
-    with pytest.raises(RuntimeError, match="fused for one token"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens[:, :32].contiguous(), out, None, 0.0, True,
-                                    0, 0, -1, 1, False)
-    with pytest.raises(RuntimeError, match="do not go together"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.repeat(1, 2), out[:1], g, 1e-5, True, 0, 0, -1, 1,
-                                    False)
-    with pytest.raises(RuntimeError, match="even width"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x[:, :63].contiguous(), out[:1], None, 0.0, True,
-                                    0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, 0, 0, -1, 1, False)
     with pytest.raises(RuntimeError, match="norm_weight must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, False, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, 0, 0, -1, 1, False)

@@ -43,26 +43,17 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
         """x[..., K] -> [..., N]."""
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False,
-                gate_up_input: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         """The step a Llama sublayer takes around a projection: forward(RMSNorm(x)) with `norm_weight`;
-        with `gate_up_input`, x is the MLP's [gate, up] and the input silu(gate) * up; with `silu_mul`
-        (the MLP's [gate; up] matrix) silu(gate) * up of the output; added into `residual` in place
-        (and returned) when one is given. This version runs the norm, the activation and the add as ops
-        of their own; a format whose decode kernel fuses them overrides it."""
+        with `silu_mul` (the MLP's [gate; up] matrix) silu(gate) * up of that; added into `residual` in
+        place (and returned) when one is given. This version runs the norm, the activation and the add
+        as ops of their own; a format whose decode kernel fuses them overrides it."""
         if norm_weight is not None:
             x = ops.rms_norm(x, norm_weight, eps)
-        if gate_up_input:
-            x = ops.silu_mul(x)
         y = self(x)
         if silu_mul:
             y = ops.silu_mul(y)
         return y if residual is None else residual.add_(y)
-
-    def stages_silu_mul(self, like: torch.Tensor, tokens: int) -> bool:
-        """Whether `project(gate_up_input=True)` applies the MLP's activation inside this format's
-        kernel for `tokens` tokens like `like` (so the MLP hands it gate_up raw): no, by default."""
-        return False
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -41,14 +41,12 @@ class DenseWeight(WeightFormat):
         return F.linear(x, self.weight)
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False,
-                gate_up_input: bool = False) -> torch.Tensor:
-        """Decode runs the norm, the MLP activation (on the output) and the residual add inside the
-        GEMV (no kernels of their own)."""
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """Decode runs the norm, the MLP activation and the residual add inside the GEMV (no kernels
+        of their own)."""
         tokens = x.numel() // max(x.shape[-1], 1)
-        fused = (self._runs_kernels(x) and 1 <= tokens <= ops.GEMV_MAX_TOKENS and not gate_up_input
-                 and not (silu_mul and residual is not None))
+        fused = self._runs_kernels(x) and 1 <= tokens <= ops.GEMV_MAX_TOKENS and not (silu_mul and residual is not None)
         if fused:
             return ops.gemv(x, self.weight, out=residual, norm_weight=norm_weight, eps=eps,
                             accumulate=residual is not None, silu_mul=silu_mul)
-        return super().project(x, norm_weight, eps, residual, silu_mul, gate_up_input)
+        return super().project(x, norm_weight, eps, residual, silu_mul)

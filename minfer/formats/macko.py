@@ -3,7 +3,7 @@
 `compress` turns a dense matrix into the reference library's three arrays (macko_spmv v0.2.0),
 array for array, vectorized in torch on the matrix's device. `MackoWeight` keeps them as buffers
 and multiplies with the SpMV/SpMM kernel for up to 16 tokens (decode, batched decode, speculative
-verification); at one token the kernel also runs the RMSNorm or the MLP activation of its input. Longer inputs (prefill) decompress blocks of rows into one 64 MB scratch buffer
+verification). Longer inputs (prefill) decompress blocks of rows into one 64 MB scratch buffer
 shared by every MACKO layer and run dense matmuls, so no dense copy of the model is ever kept.
 """
 
@@ -181,29 +181,19 @@ class MackoWeight(WeightFormat):
             torch.mm(flat, weight.T, out=out[:, first:last])
         return out
 
-    def _decodes_with_kernel(self, like: torch.Tensor, tokens: int) -> bool:
-        return (ops.use_kernels(like) and self.values.dtype != torch.float32
-                and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS)
-
-    def stages_silu_mul(self, like: torch.Tensor, tokens: int) -> bool:
-        """One decode token: the SpMV applies silu(gate) * up while it stages x."""
-        return (tokens == 1 and self._decodes_with_kernel(like, tokens)
-                and self.in_features <= ops.MACKO_STAGED_INPUT_MAX_COLS)
-
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                residual: torch.Tensor | None = None, silu_mul: bool = False,
-                gate_up_input: bool = False) -> torch.Tensor:
-        """Decode runs the norm or the input's activation (one token) and the residual add inside the
-        SpMV kernel; an activation of the output runs as a kernel of its own."""
-        width = 2 * self.in_features if gate_up_input else self.in_features
-        tokens = x.numel() // max(width, 1)
-        if not self._decodes_with_kernel(x, tokens):
-            return super().project(x, norm_weight, eps, residual, silu_mul, gate_up_input)
-        flat = x.reshape(tokens, width).contiguous()
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """Decode runs the norm (one token) and the residual add inside the SpMV kernel; the MLP
+        activation runs as a kernel of its own."""
+        tokens = x.numel() // max(self.in_features, 1)
+        if not (ops.use_kernels(x) and self.values.dtype != torch.float32
+                and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS):
+            return super().project(x, norm_weight, eps, residual, silu_mul)
+        flat = x.reshape(tokens, self.in_features).contiguous()
         adds_in_place = residual is not None and residual.is_contiguous() and not silu_mul
         y = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, norm_weight=norm_weight, eps=eps,
-                           gate_up_input=gate_up_input, accumulate=adds_in_place,
-                           out=residual.view(tokens, self.out_features) if adds_in_place else None)
+                           out=residual.view(tokens, self.out_features) if adds_in_place else None,
+                           accumulate=adds_in_place)
         if adds_in_place:
             return residual
         if silu_mul:
