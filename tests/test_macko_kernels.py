@@ -27,9 +27,12 @@ def sparse_matrix(rows, cols, density, dtype=torch.float16, seed=0, uneven=False
     return matrix.to(dtype)
 
 
+def relative_difference(out, expected):
+    return ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
 def relative_error(out, matrix, x):
-    ref = x.double() @ matrix.double().T
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return relative_difference(out, x.double() @ matrix.double().T)
 
 
 def run_spmv(matrix, tokens, **tuning):
@@ -282,11 +285,11 @@ def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
     tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
     out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5)
     expected = normed_product(x, g, matrix)
-    assert ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item() < tolerance
+    assert relative_difference(out, expected) < tolerance
     residual = torch.randn(1, rows, device="cuda").to(dtype)
     expected = expected + residual.double()
     ops.macko_spmv(values, deltas, row_ptr, x, out=residual, norm_weight=g, eps=1e-5, accumulate=True)
-    assert ((residual.double() - expected).norm() / expected.norm()).item() < tolerance
+    assert relative_difference(residual, expected) < tolerance
 
 
 @pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
@@ -299,7 +302,7 @@ def test_spmv_norm_falls_back_to_the_rms_norm_kernel(tokens, tuning):
     g = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
     out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, **tuning)
     expected = normed_product(x, g, matrix)
-    assert ((out.double() - expected).norm() / expected.norm()).item() < 2e-3
+    assert relative_difference(out, expected) < 2e-3
 
 
 def test_weight_project_fuses_norm_and_activation():
@@ -312,7 +315,7 @@ def test_weight_project_fuses_norm_and_activation():
     gate, up = normed_product(x.view(1, 256), g, matrix).chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert out.shape == (1, 1, 64)
-    assert ((out.view(1, 64).double() - expected).norm() / expected.norm()).item() < 2e-3
+    assert relative_difference(out.view(1, 64), expected) < 2e-3
 
 
 def small_macko():
