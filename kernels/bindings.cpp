@@ -226,13 +226,15 @@ void check_macko(const at::Tensor& values, const at::Tensor& deltas, const at::T
 
 void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, const at::Tensor& x,
                 at::Tensor& out, const std::optional<at::Tensor>& norm_weight, double eps, int64_t steps,
-                int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline, bool accumulate) {
+                int64_t warps_per_block, int64_t x_in_smem, int64_t pipeline, bool accumulate, bool silu_mul) {
     check_macko(values, deltas, row_ptr, "minfer.macko_spmv");
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
     MINFER_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.macko_spmv: expects x [T, K] and out [T, N]");
     const int64_t rows = row_ptr.numel() - 1, cols = x.size(1), tokens = x.size(0);
-    MINFER_CHECK(out.size(0) == tokens && out.size(1) == rows, "minfer.macko_spmv: out must be [", tokens, ", ", rows, "]");
+    const int64_t outputs = silu_mul ? rows / 2 : rows;
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == outputs, "minfer.macko_spmv: out must be [", tokens, ", ",
+                 outputs, "]");
     MINFER_CHECK(cols <= INT32_MAX && tokens <= INT32_MAX, "minfer.macko_spmv: x is too large");
     MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
                 "minfer.macko_spmv: values, x and out must share one dtype");
@@ -256,6 +258,14 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
         norm.weight = norm_weight->data_ptr();
         norm.eps = (float)eps;
     }
+    if (silu_mul) {
+        MINFER_CHECK(rows % 2 == 0 && !accumulate, "minfer.macko_spmv: silu_mul needs a [gate; up] matrix (an even ",
+                     "number of rows, got ", rows, ") and no accumulate");
+        MINFER_CHECK(tokens == 1 && cols <= minfer::kMackoNormMaxCols && pipeline != 0 && x_in_smem != 0,
+                     "minfer.macko_spmv: silu_mul is fused for one token of at most ", minfer::kMackoNormMaxCols,
+                     " columns on the pipelined kernel with x in shared memory (got ", tokens, " tokens of ", cols,
+                     " columns); run silu_mul after the SpMV otherwise");
+    }
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::MackoTuning tuning;
     tuning.steps = (int)steps;
@@ -263,8 +273,8 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     tuning.x_in_smem = (int)x_in_smem;
     tuning.pipeline = (int)pipeline;
     minfer::launch_macko_spmv(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
-                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, norm, dtype_of(values),
-                              tuning, current_stream());
+                              x.data_ptr(), out.data_ptr(), rows, cols, tokens, accumulate, norm, silu_mul,
+                              dtype_of(values), tuning, current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -454,7 +464,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("hgemm_kernel(Tensor x, Tensor w, Tensor(a!) out, str kernel) -> ()");
     m.def("embedding(Tensor table, Tensor tokens, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
-    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate) -> ()");
+    m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate, bool silu_mul) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");

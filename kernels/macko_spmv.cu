@@ -11,7 +11,9 @@
 // - nibble prefix sums inside a chunk use byte-parallel arithmetic (one multiply), and the warp scan
 //   of the chunk sums covers two steps at once (16-bit fields);
 // - the one-token consumer (decode) gathers x with 5 instructions per entry; with it the kernel
-//   waits mostly on the latency of the warp scan, not on DRAM (docs/perf-notes.md, session 9);
+//   waits mostly on the latency of the warp scan, not on DRAM (docs/perf-notes.md, session 9); it
+//   also fuses a Llama sublayer's RMSNorm (into the staging of x) and, walking the MLP's gate and up
+//   rows in pairs, silu(gate) * up (into the row ends);
 // - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
 #include <map>
 #include <mutex>
@@ -101,11 +103,25 @@ struct GroupCursor {
 };
 
 // The groups of rows first, first + stride, ... in order; each row's bounds are read one row ahead.
-template <int STEPS>
+// PAIRS (a [gate; up] matrix, rows = 2 x half): gate row p, then its up row p + half, then gate row
+// p + stride, ..., so one warp holds both halves of each silu(gate) * up output.
+template <int STEPS, bool PAIRS = false>
 struct RowGroups {
     const int* __restrict__ row_ptr;
     int rows, stride;
     int next_s = 0, next_e = 0;  // the bounds of the row after the current one
+
+    // The row walked after `row`; rows or more when there is none.
+    __device__ __forceinline__ int next_row(int row) const {
+        if constexpr (!PAIRS) {
+            return row + stride;
+        } else {
+            const int half = rows / 2;
+            if (row < half) return row + half;
+            const int gate = row - half + stride;
+            return gate < half ? gate : rows;
+        }
+    }
 
     __device__ __forceinline__ void read_next(int row) {
         if (row < rows) {
@@ -121,15 +137,15 @@ struct RowGroups {
             c.e = row_ptr[row + 1];
             c.a = c.s & ~(kChunk - 1);
         }
-        read_next(row + stride);
+        read_next(next_row(row));
         return c;
     }
 
     __device__ __forceinline__ GroupCursor after(const GroupCursor& c) {
         GroupCursor n{c.row, c.s, c.e, c.a + STEPS * kStep};
         if (n.a >= c.e) {
-            n = GroupCursor{c.row + stride, next_s, next_e, next_s & ~(kChunk - 1)};
-            read_next(n.row + stride);
+            n = GroupCursor{next_row(c.row), next_s, next_e, next_s & ~(kChunk - 1)};
+            read_next(next_row(n.row));
         }
         return n;
     }
@@ -205,14 +221,14 @@ __device__ __forceinline__ void walk_rows_unpipelined(const uint4* __restrict__ 
     }
 }
 
-// Walks rows first_row, first_row + stride, ... with one group of loads always in flight: two
-// register batches alternate by name (no copies). consumer.stage() runs once after the first loads
-// are issued (all threads of the block).
-template <int STEPS, class Consumer>
+// Walks rows first_row, first_row + stride, ... (RowGroups: in gate/up pairs with PAIRS) with one
+// group of loads always in flight: two register batches alternate by name (no copies).
+// consumer.stage() runs once after the first loads are issued (all threads of the block).
+template <int STEPS, bool PAIRS = false, class Consumer>
 __device__ __forceinline__ void walk_rows(const uint4* __restrict__ values, const uint32_t* __restrict__ deltas,
                                           const int* __restrict__ row_ptr, int rows, int first_row, int stride,
                                           int lane, Consumer& consumer) {
-    RowGroups<STEPS> groups{row_ptr, rows, stride};
+    RowGroups<STEPS, PAIRS> groups{row_ptr, rows, stride};
     GroupCursor ca = groups.first(first_row);
     Group<STEPS> batch_a{}, batch_b{};
     if (ca.row < rows) load_batch(values, deltas, ca, lane, batch_a);
@@ -467,8 +483,10 @@ __device__ __forceinline__ void chunk_dot(const uint4& v, const ChunkNibbles& ni
 // out[row] (+)= W[row] . x for one token (blockIdx.y picks it), x staged in shared memory as fp32.
 // Launched as a PDL dependent: stage() runs after the first batch of weights is requested. NORM:
 // x is the RMSNorm of the token (MackoNorm); every block computes the token's scale itself, from
-// the x it stages anyway, so the norm costs no kernel and no pass over x of its own.
-template <typename T, bool NORM>
+// the x it stages anyway, so the norm costs no kernel and no pass over x of its own. SILU: W is
+// [gate; up] (walked in pairs) and out[p] = silu(gate[p]) * up[p], both rounded to T first, as the
+// silu_mul kernel reads them from a [gate; up] output: fusing changes no bit of the result.
+template <typename T, bool NORM, bool SILU>
 struct OneTokenConsumer {
     const uint16_t* x;
     T* __restrict__ out;
@@ -477,8 +495,10 @@ struct OneTokenConsumer {
     float eps;
     int cols, lane;
     bool accumulate;
+    int half_rows;         // SILU: gate rows [0, half_rows), up rows [half_rows, 2 half_rows)
     uint32_t xs_addr = 0;  // shared-memory address of xs
     float row_scale = 1.f;
+    float gate = 0.f;      // SILU: the current pair's gate output
     float2 acc = make_float2(0.f, 0.f);
 
     __device__ __forceinline__ void stage() {
@@ -509,11 +529,20 @@ struct OneTokenConsumer {
     __device__ __forceinline__ void end_row(int row) {
         float sum = warp_sum(acc.x + acc.y);
         if constexpr (NORM) sum *= row_scale;
-        if (lane == 0) out[row] = from_float<T>(sum + (accumulate ? to_float(out[row]) : 0.f));
+        if constexpr (SILU) {
+            const float rounded = to_float(from_float<T>(sum));
+            if (row < half_rows) {
+                gate = rounded;  // its up row comes next (RowGroups<STEPS, true>)
+            } else if (lane == 0) {
+                out[row - half_rows] = from_float<T>(gate / (1.0f + __expf(-gate)) * rounded);
+            }
+        } else if (lane == 0) {
+            out[row] = from_float<T>(sum + (accumulate ? to_float(out[row]) : 0.f));
+        }
     }
 };
 
-template <typename T, int STEPS, bool NORM>
+template <typename T, int STEPS, bool NORM, bool SILU>
 __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const uint4* __restrict__ values,
                                                                            const uint32_t* __restrict__ deltas,
                                                                            const int* __restrict__ row_ptr,
@@ -524,10 +553,13 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
     extern __shared__ __align__(16) unsigned char smem[];
     const int warps = blockDim.x / kWarpSize;
     const int lane = threadIdx.x % kWarpSize;
-    OneTokenConsumer<T, NORM> consumer{x + (int64_t)blockIdx.y * cols, out + (int64_t)blockIdx.y * rows,
-                                       reinterpret_cast<float*>(smem), norm_weight, eps, cols, lane, accumulate};
-    walk_rows<STEPS>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize, gridDim.x * warps,
-                     lane, consumer);
+    const int outputs = SILU ? rows / 2 : rows;
+    OneTokenConsumer<T, NORM, SILU> consumer{x + (int64_t)blockIdx.y * cols, out + (int64_t)blockIdx.y * outputs,
+                                             reinterpret_cast<float*>(smem), norm_weight, eps, cols, lane,
+                                             accumulate, rows / 2};
+    const int first_row = blockIdx.x * warps + threadIdx.x / kWarpSize;  // with SILU: a gate row, or none
+    walk_rows<STEPS, SILU>(values, deltas, row_ptr, rows, SILU && first_row >= rows / 2 ? rows : first_row,
+                           gridDim.x * warps, lane, consumer);
 }
 
 // Dense rows. ROW_IN_SMEM: each warp assembles its row in shared memory (zeros, then the scattered
@@ -701,16 +733,17 @@ void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t*
                     static_cast<T*>(out), rows, cols, tokens, accumulate);
 }
 
-// warps_per_block 0: the balanced grid of kDefaultWarpsPerBlock-warp slots.
-template <typename T, int STEPS, bool NORM>
+// warps_per_block 0: the balanced grid of kDefaultWarpsPerBlock-warp slots (over gate/up pairs with SILU).
+template <typename T, int STEPS, bool NORM, bool SILU>
 void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                            void* out, int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm,
                            int warps_per_block, cudaStream_t stream) {
-    auto kernel = macko_spmv_one_token_kernel<T, STEPS, NORM>;
+    auto kernel = macko_spmv_one_token_kernel<T, STEPS, NORM, SILU>;
     const int smem = cols * (int)sizeof(float);
+    const int walks = SILU ? rows / 2 : rows;  // first rows of the warps' walks
     const BalancedGrid launch =
-        warps_per_block > 0 ? BalancedGrid{persistent_grid(kernel, rows, warps_per_block, smem, tokens), warps_per_block}
-                            : balanced_grid(kernel, rows, kDefaultWarpsPerBlock, smem, tokens);
+        warps_per_block > 0 ? BalancedGrid{persistent_grid(kernel, walks, warps_per_block, smem, tokens), warps_per_block}
+                            : balanced_grid(kernel, walks, kDefaultWarpsPerBlock, smem, tokens);
     launch_with_pdl(kernel, launch.grid, dim3(launch.warps_per_block * kWarpSize), smem, stream, true,
                     static_cast<const uint4*>(values), reinterpret_cast<const uint32_t*>(deltas), row_ptr,
                     static_cast<const uint16_t*>(x), static_cast<T*>(out), static_cast<const uint16_t*>(norm.weight),
@@ -732,9 +765,15 @@ void launch_spmv_steps(const void* values, const uint8_t* deltas, const int32_t*
     }
 }
 
+template <typename T, int STEPS>
+auto one_token_launcher(bool norm, bool silu_mul) {
+    if (norm) return silu_mul ? launch_spmv_one_token<T, STEPS, true, true> : launch_spmv_one_token<T, STEPS, true, false>;
+    return silu_mul ? launch_spmv_one_token<T, STEPS, false, true> : launch_spmv_one_token<T, STEPS, false, false>;
+}
+
 template <typename T>
 void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
-                       int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm,
+                       int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm, bool silu_mul,
                        const MackoTuning& tuning, cudaStream_t stream) {
     const int smem_optin = device_limits().smem_optin;
     // Tokens per pass: all of them (up to 16) when their x fits in shared memory, so the weights
@@ -753,11 +792,9 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     if (tuning.pipeline == 0)  // the reference kernel's schedule: one step, x from global, no prefetch
         return launch_spmv_typed<T, 1, 1, false, false>(values, deltas, row_ptr, x, out, rows, cols, tokens,
                                                         accumulate, warps, stream);
-    if (x_in_smem && per_pass == 1) {  // the only path a norm takes (the binding checks that it does)
-        auto one_token = norm.weight ? (steps == 1 ? launch_spmv_one_token<T, 1, true>
-                                                   : launch_spmv_one_token<T, 2, true>)
-                                     : (steps == 1 ? launch_spmv_one_token<T, 1, false>
-                                                   : launch_spmv_one_token<T, 2, false>);
+    if (x_in_smem && per_pass == 1) {  // the only path a norm or silu_mul takes (the binding checks that it does)
+        auto one_token = steps == 1 ? one_token_launcher<T, 1>(norm.weight != nullptr, silu_mul)
+                                    : one_token_launcher<T, 2>(norm.weight != nullptr, silu_mul);
         return one_token(values, deltas, row_ptr, x, out, rows, cols, tokens, accumulate, norm,
                          tuning.warps_per_block, stream);
     }
@@ -769,16 +806,17 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
 
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                        void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate,
-                       const MackoNorm& norm, DType dtype, const MackoTuning& tuning, cudaStream_t stream) {
+                       const MackoNorm& norm, bool silu_mul, DType dtype, const MackoTuning& tuning,
+                       cudaStream_t stream) {
     if (rows == 0 || tokens == 0) return;
     switch (dtype) {
         case DType::kFloat16:
             launch_spmv_dtype<half>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens, accumulate,
-                                    norm, tuning, stream);
+                                    norm, silu_mul, tuning, stream);
             break;
         case DType::kBFloat16:
             launch_spmv_dtype<__nv_bfloat16>(values, deltas, row_ptr, x, out, (int)rows, (int)cols, (int)tokens,
-                                             accumulate, norm, tuning, stream);
+                                             accumulate, norm, silu_mul, tuning, stream);
             break;
         case DType::kFloat32: break;  // rejected by the binding
     }

@@ -389,11 +389,11 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
 
 def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         eps: float = 0.0) -> torch.Tensor:
+                         eps: float = 0.0, silu_mul: bool = False) -> torch.Tensor:
     """x [T, K] @ W.T with W decompressed, in fp32, with the fusions of `linear_reference` (the norm,
-    the residual add): the CPU path and the oracle."""
+    the residual add, silu(gate) * up): the CPU path and the oracle."""
     weight = macko_decompress_reference(values, deltas, row_ptr, x.shape[-1])
-    return linear_reference(x, weight, norm_weight, eps, residual)
+    return linear_reference(x, weight, norm_weight, eps, residual, silu_mul)
 
 
 MACKO_NORM_MAX_COLS = 16384  # kernels/macko.h, kMackoNormMaxCols
@@ -401,7 +401,7 @@ MACKO_NORM_MAX_COLS = 16384  # kernels/macko.h, kMackoNormMaxCols
 
 @fake_impl("minfer::macko_spmv")
 def _macko_spmv_fake(values, deltas, row_ptr, x, out, norm_weight, eps, steps, warps_per_block, x_in_smem, pipeline,
-                     accumulate):
+                     accumulate, silu_mul):
     return None
 
 
@@ -412,15 +412,17 @@ def _macko_decompress_fake(values, deltas, row_ptr, out):
 
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
                out: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               accumulate: bool = False, steps: int = 0, warps_per_block: int = 0, x_in_smem: int = -1,
-               pipeline: int = 1) -> torch.Tensor:
+               accumulate: bool = False, silu_mul: bool = False, steps: int = 0, warps_per_block: int = 0,
+               x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
     """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
     `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer); with `norm_weight`
-    g [K], x is replaced by its RMSNorm times g (eps as in the model).
+    g [K], x is replaced by its RMSNorm times g (eps as in the model); with `silu_mul`, W is the MLP's
+    [gate; up] and out [T, N / 2] = silu(gate) * up.
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
-    passes; prefill should decompress instead). The kernel fuses the norm for one token of up to
-    MACKO_NORM_MAX_COLS columns (decode); other inputs run the rms_norm kernel first. `steps`,
+    passes; prefill should decompress instead). The kernel fuses the norm and silu_mul for one token
+    of up to MACKO_NORM_MAX_COLS columns (decode); other inputs run the rms_norm kernel before and the
+    silu_mul kernel after. `steps`,
     `warps_per_block`, `x_in_smem` are launch knobs for benchmarks, the defaults (0, 0, -1) pick the
     tuned configuration; `pipeline=0` runs the reference kernel's schedule (one step loaded then
     decoded, x gathered from global memory). The op's schema has no defaults (a defaulted argument
@@ -431,16 +433,23 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     if norm_weight is not None and norm_weight.shape != (x.shape[-1],):
         raise FormatError(f"macko_spmv: norm_weight must be [{x.shape[-1]}] for x {tuple(x.shape)}, "
                           f"got {tuple(norm_weight.shape)}")
+    rows = row_ptr.numel() - 1
+    if silu_mul and (rows % 2 or accumulate):
+        raise FormatError(f"macko_spmv(silu_mul=True) needs W = [gate; up] with an even N (got {rows}) and no accumulate")
     if out is None:
-        out = x.new_empty(x.shape[0], row_ptr.numel() - 1)
+        out = x.new_empty(x.shape[0], rows // 2 if silu_mul else rows)
     if use_kernels(x):
-        fuses_norm = x.shape[0] == 1 and x.shape[1] <= MACKO_NORM_MAX_COLS and pipeline != 0 and x_in_smem != 0
-        if norm_weight is not None and not fuses_norm:
+        fuses = x.shape[0] == 1 and x.shape[1] <= MACKO_NORM_MAX_COLS and pipeline != 0 and x_in_smem != 0
+        if norm_weight is not None and not fuses:
             x, norm_weight = rms_norm(x, norm_weight, eps), None
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, norm_weight, eps, steps, warps_per_block,
-                                    x_in_smem, pipeline, accumulate)
+        spmv_out = x.new_empty(x.shape[0], rows) if silu_mul and not fuses else out
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, spmv_out, norm_weight, eps, steps, warps_per_block,
+                                    x_in_smem, pipeline, accumulate, silu_mul and fuses)
+        if spmv_out is not out:
+            torch.ops.minfer.silu_mul(spmv_out, out)
     else:
-        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None, norm_weight, eps))
+        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None, norm_weight, eps,
+                                       silu_mul))
     return out
 
 

@@ -190,10 +190,12 @@ def test_opcheck():
         x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
         out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
         torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                              (values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False))
+                              (values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False, False))
     g = torch.rand(300, device="cuda", dtype=torch.float16) + 0.5
     torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, 0, 0, -1, 1, False))
+                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, 0, 0, -1, 1, False, False))
+    torch.library.opcheck(torch.ops.minfer.macko_spmv,
+                          (values, deltas, row_ptr, x[:1], out.new_empty(1, 20), g, 1e-5, 0, 0, -1, 1, False, True))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
@@ -318,6 +320,39 @@ def test_weight_project_fuses_norm_and_activation():
     assert relative_difference(out.view(1, 64), expected) < 2e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("half_rows, cols", [(1, 7), (37, 1000), (300, 4097), (64, 11008), (9001, 64)])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_spmv_fuses_silu_mul(dtype, half_rows, cols, norm):
+    """One token of a [gate; up] matrix: the kernel walks gate row p and up row p + I on one warp and
+    writes silu(gate) * up, bit for bit what the SpMV followed by the silu_mul kernel gives (9001 pairs
+    take several rounds of the grid)."""
+    matrix = sparse_matrix(2 * half_rows, cols, 0.5, dtype=dtype, seed=half_rows + cols)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(1, cols, device="cuda").to(dtype)
+    g = (torch.rand(cols, device="cuda") + 0.5).to(dtype) if norm else None
+    fused = torch.full((1, half_rows), float("nan"), device="cuda", dtype=dtype)
+    ops.macko_spmv(values, deltas, row_ptr, x, out=fused, norm_weight=g, eps=1e-5, silu_mul=True)
+    separate = ops.silu_mul(ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5))
+    assert torch.equal(fused, separate)
+    product = normed_product(x, g, matrix) if norm else x.double() @ matrix.double().T
+    gate, up = product.chunk(2, dim=-1)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert relative_difference(fused, torch.nn.functional.silu(gate) * up) < tolerance
+
+
+@pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
+                         ids=["tokens-3", "x-global", "reference"])
+def test_spmv_silu_mul_falls_back_to_the_silu_mul_kernel(tokens, tuning):
+    matrix = sparse_matrix(2 * 150, 1000, 0.3, seed=tokens)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
+    out = ops.macko_spmv(values, deltas, row_ptr, x, silu_mul=True, **tuning)
+    gate, up = (x.double() @ matrix.double().T).chunk(2, dim=-1)
+    assert out.shape == (tokens, 150)
+    assert relative_difference(out, torch.nn.functional.silu(gate) * up) < 2e-3
+
+
 def small_macko():
     ops.build()  # these tests call torch.ops.minfer directly
     values, deltas, row_ptr = compress(sparse_matrix(8, 64, 0.5))
@@ -328,14 +363,14 @@ def test_binding_rejects_dtype_mismatch():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, 0, 0, -1, 1, False, False)
 
 
 def test_binding_rejects_wrong_out_shape():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False, False)
 
 
 def test_binding_rejects_misaligned_values():
@@ -343,7 +378,7 @@ def test_binding_rejects_misaligned_values():
     misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False, False)
 
 
 def test_binding_rejects_a_norm_it_cannot_fuse():
@@ -352,6 +387,21 @@ def test_binding_rejects_a_norm_it_cannot_fuse():
     two_tokens = x.expand(2, 64).contiguous()
     out = torch.empty(2, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="fused for one token"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, 0, 0, -1, 1, False, False)
     with pytest.raises(RuntimeError, match="norm_weight must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, 0, 0, -1, 1, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, 0, 0, -1, 1, False, False)
+
+
+def test_binding_rejects_a_silu_mul_it_cannot_fuse():
+    values, deltas, row_ptr, x = small_macko()
+    half = torch.empty(1, 4, device="cuda", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="no accumulate"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half, None, 0.0, 0, 0, -1, 1, True, True)
+    with pytest.raises(RuntimeError, match="silu_mul is fused for one token"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half, None, 0.0, 0, 0, 0, 1, False, True)
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half[:, :3], None, 0.0, 0, 0, -1, 1, False, True)
+    odd_values, odd_deltas, odd_row_ptr = compress(sparse_matrix(7, 64, 0.5))
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.minfer.macko_spmv(odd_values, odd_deltas, odd_row_ptr, x, half[:, :3], None, 0.0, 0, 0, -1, 1,
+                                    False, True)

@@ -183,8 +183,8 @@ class MackoWeight(WeightFormat):
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        """Decode runs the norm (one token) and the residual add inside the SpMV kernel; the MLP
-        activation runs as a kernel of its own."""
+        """Decode runs the norm, the MLP activation (one token) and the residual add inside the SpMV
+        kernel (ops.macko_spmv runs the norm and activation kernels where it cannot fuse them)."""
         tokens = x.numel() // max(self.in_features, 1)
         if not (ops.use_kernels(x) and self.values.dtype != torch.float32
                 and 1 <= tokens <= ops.MACKO_SPMM_MAX_TOKENS):
@@ -193,11 +193,9 @@ class MackoWeight(WeightFormat):
         adds_in_place = residual is not None and residual.is_contiguous() and not silu_mul
         y = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, norm_weight=norm_weight, eps=eps,
                            out=residual.view(tokens, self.out_features) if adds_in_place else None,
-                           accumulate=adds_in_place)
+                           accumulate=adds_in_place, silu_mul=silu_mul)
         if adds_in_place:
             return residual
-        if silu_mul:
-            y = ops.silu_mul(y)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if residual is None else residual.add_(y)
 
