@@ -251,21 +251,16 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
         MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == cols &&
                          norm_weight->scalar_type() == values.scalar_type() && norm_weight->device() == values.device(),
                      "minfer.macko_spmv: norm_weight must be [", cols, "] in the values' dtype, on their device");
-        MINFER_CHECK(tokens == 1 && cols <= minfer::kMackoNormMaxCols && pipeline != 0 && x_in_smem != 0,
-                     "minfer.macko_spmv: the norm is fused for one token of at most ", minfer::kMackoNormMaxCols,
-                     " columns on the pipelined kernel with x in shared memory (got ", tokens, " tokens of ", cols,
-                     " columns); run rms_norm first otherwise");
         norm.weight = norm_weight->data_ptr();
         norm.eps = (float)eps;
     }
-    if (silu_mul) {
-        MINFER_CHECK(rows % 2 == 0 && !accumulate, "minfer.macko_spmv: silu_mul needs a [gate; up] matrix (an even ",
-                     "number of rows, got ", rows, ") and no accumulate");
-        MINFER_CHECK(tokens == 1 && cols <= minfer::kMackoNormMaxCols && pipeline != 0 && x_in_smem != 0,
-                     "minfer.macko_spmv: silu_mul is fused for one token of at most ", minfer::kMackoNormMaxCols,
-                     " columns on the pipelined kernel with x in shared memory (got ", tokens, " tokens of ", cols,
-                     " columns); run silu_mul after the SpMV otherwise");
-    }
+    MINFER_CHECK(!silu_mul || (rows % 2 == 0 && !accumulate), "minfer.macko_spmv: silu_mul needs a [gate; up] matrix ",
+                 "(an even number of rows, got ", rows, ") and no accumulate");
+    MINFER_CHECK((!norm_weight && !silu_mul) ||
+                     (tokens == 1 && cols <= minfer::kMackoFusedMaxCols && pipeline != 0 && x_in_smem != 0),
+                 "minfer.macko_spmv: the norm and silu_mul are fused for one token of at most ",
+                 minfer::kMackoFusedMaxCols, " columns on the pipelined kernel with x in shared memory (got ", tokens,
+                 " tokens of ", cols, " columns); run rms_norm before or silu_mul after the SpMV otherwise");
     const c10::cuda::CUDAGuard guard(values.device());
     minfer::MackoTuning tuning;
     tuning.steps = (int)steps;

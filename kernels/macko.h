@@ -22,14 +22,15 @@ struct MackoNorm {
     const void* weight = nullptr;  // g [cols] in the values' dtype; null: no norm
     float eps = 0.f;
 };
-constexpr int kMackoNormMaxCols = 16384;  // 64 KB of fp32 x per block
+// Longest x the one-token kernel stages (64 KB of fp32 per block): the norm and silu_mul fuse up to it.
+constexpr int kMackoFusedMaxCols = 16384;
 
 // out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
 // residual add of a Llama sublayer, in place). x is [tokens, cols], out is [tokens, rows], both
 // contiguous, in the values' dtype. values must be 16-byte aligned, deltas 4-byte aligned.
 // `silu_mul`: W is the MLP's [gate; up] (rows even) and out [tokens, rows / 2] receives
 // silu(gate) * up (not with accumulate). A norm or silu_mul needs tokens == 1,
-// cols <= kMackoNormMaxCols, the pipelined kernel and x in shared memory.
+// cols <= kMackoFusedMaxCols, the pipelined kernel and x in shared memory.
 void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x,
                        void* out, int64_t rows, int64_t cols, int64_t tokens, bool accumulate,
                        const MackoNorm& norm, bool silu_mul, DType dtype, const MackoTuning& tuning,

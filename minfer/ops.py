@@ -396,7 +396,7 @@ def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: to
     return linear_reference(x, weight, norm_weight, eps, residual, silu_mul)
 
 
-MACKO_NORM_MAX_COLS = 16384  # kernels/macko.h, kMackoNormMaxCols
+MACKO_FUSED_MAX_COLS = 16384  # kernels/macko.h, kMackoFusedMaxCols
 
 
 @fake_impl("minfer::macko_spmv")
@@ -421,7 +421,7 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
 
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
     passes; prefill should decompress instead). The kernel fuses the norm and silu_mul for one token
-    of up to MACKO_NORM_MAX_COLS columns (decode); other inputs run the rms_norm kernel before and the
+    of up to MACKO_FUSED_MAX_COLS columns (decode); other inputs run the rms_norm kernel before and the
     silu_mul kernel after. `steps`,
     `warps_per_block`, `x_in_smem` are launch knobs for benchmarks, the defaults (0, 0, -1) pick the
     tuned configuration; `pipeline=0` runs the reference kernel's schedule (one step loaded then
@@ -439,7 +439,7 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     if out is None:
         out = x.new_empty(x.shape[0], rows // 2 if silu_mul else rows)
     if use_kernels(x):
-        fuses = x.shape[0] == 1 and x.shape[1] <= MACKO_NORM_MAX_COLS and pipeline != 0 and x_in_smem != 0
+        fuses = x.shape[0] == 1 and x.shape[1] <= MACKO_FUSED_MAX_COLS and pipeline != 0 and x_in_smem != 0
         if norm_weight is not None and not fuses:
             x, norm_weight = rms_norm(x, norm_weight, eps), None
         spmv_out = x.new_empty(x.shape[0], rows) if silu_mul and not fuses else out
