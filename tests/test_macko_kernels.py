@@ -308,7 +308,7 @@ def test_spmv_norm_falls_back_to_the_rms_norm_kernel(tokens, tuning):
 
 
 def test_weight_project_fuses_norm_and_activation():
-    """The MLP's gate_up: the norm in the SpMV, then silu(gate) * up."""
+    """The MLP's gate_up: the norm and silu(gate) * up both inside the SpMV."""
     matrix = sparse_matrix(128, 256, 0.5, seed=5)
     weight = MackoWeight.from_dense(matrix)
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.float16)
