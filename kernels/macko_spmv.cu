@@ -130,7 +130,9 @@ struct RowGroups {
         }
     }
 
+    // With PAIRS, a warp whose first row is past the gate half walks nothing.
     __device__ __forceinline__ GroupCursor first(int row) {
+        if (PAIRS && row >= rows / 2) row = rows;
         GroupCursor c{row, 0, 0, 0};
         if (row < rows) {
             c.s = row_ptr[row];
@@ -557,8 +559,7 @@ __global__ void __launch_bounds__(kMaxThreads) macko_spmv_one_token_kernel(const
     OneTokenConsumer<T, NORM, SILU> consumer{x + (int64_t)blockIdx.y * cols, out + (int64_t)blockIdx.y * outputs,
                                              reinterpret_cast<float*>(smem), norm_weight, eps, cols, lane,
                                              accumulate, rows / 2};
-    const int first_row = blockIdx.x * warps + threadIdx.x / kWarpSize;  // with SILU: a gate row, or none
-    walk_rows<STEPS, SILU>(values, deltas, row_ptr, rows, SILU && first_row >= rows / 2 ? rows : first_row,
+    walk_rows<STEPS, SILU>(values, deltas, row_ptr, rows, blockIdx.x * warps + threadIdx.x / kWarpSize,
                            gridDim.x * warps, lane, consumer);
 }
 

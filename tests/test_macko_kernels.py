@@ -296,14 +296,21 @@ def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
 
 @pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
                          ids=["tokens-3", "x-global", "reference"])
-def test_spmv_norm_falls_back_to_the_rms_norm_kernel(tokens, tuning):
-    """Inputs the kernel cannot fuse the norm into run the rms_norm kernel first, with the same result."""
+@pytest.mark.parametrize("fusion", ["norm", "silu_mul"])
+def test_spmv_fusion_falls_back_to_its_kernel(fusion, tokens, tuning):
+    """Inputs the kernel cannot fuse into run the rms_norm or silu_mul kernel instead, with the same result."""
     matrix = sparse_matrix(300, 1000, 0.3, seed=tokens)
     values, deltas, row_ptr = compress(matrix)
     x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
-    g = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
-    out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, **tuning)
-    expected = normed_product(x, g, matrix)
+    if fusion == "norm":
+        g = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
+        out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, **tuning)
+        expected = normed_product(x, g, matrix)
+    else:
+        out = ops.macko_spmv(values, deltas, row_ptr, x, silu_mul=True, **tuning)
+        gate, up = (x.double() @ matrix.double().T).chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+    assert out.shape == expected.shape
     assert relative_difference(out, expected) < 2e-3
 
 
@@ -339,18 +346,6 @@ def test_spmv_fuses_silu_mul(dtype, half_rows, cols, norm):
     gate, up = product.chunk(2, dim=-1)
     tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
     assert relative_difference(fused, torch.nn.functional.silu(gate) * up) < tolerance
-
-
-@pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
-                         ids=["tokens-3", "x-global", "reference"])
-def test_spmv_silu_mul_falls_back_to_the_silu_mul_kernel(tokens, tuning):
-    matrix = sparse_matrix(2 * 150, 1000, 0.3, seed=tokens)
-    values, deltas, row_ptr = compress(matrix)
-    x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
-    out = ops.macko_spmv(values, deltas, row_ptr, x, silu_mul=True, **tuning)
-    gate, up = (x.double() @ matrix.double().T).chunk(2, dim=-1)
-    assert out.shape == (tokens, 150)
-    assert relative_difference(out, torch.nn.functional.silu(gate) * up) < 2e-3
 
 
 def small_macko():
