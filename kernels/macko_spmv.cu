@@ -175,6 +175,14 @@ template <int STEPS, class Consumer>
 __device__ __forceinline__ void decode_group(const Group<STEPS>& g, int a, int s, int e, int& carry, int lane,
                                              Consumer& consumer) {
     static_assert(STEPS == 1 || STEPS == 2, "two steps share one scan (16-bit fields)");
+    if (e - a <= kChunk) {  // the row's last entries, all in lane 0's first chunk: no scan needed
+        if (lane == 0) {
+            const int before_row = s - a;
+            const uint32_t bits = before_row > 0 ? g.nibbles[0] & (kFullMask << (4 * before_row)) : g.nibbles[0];
+            consumer.template chunk<true>(g.values[0], chunk_nibbles(bits), a - s + carry, a, s, e);
+        }
+        return;
+    }
     ChunkNibbles nib[STEPS];
     uint32_t packed = 0;
 #pragma unroll
@@ -262,26 +270,42 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
     return (j & 1) ? f.y : f.x;
 }
 
-// x (one token) -> shared memory as fp32; with NORM, g * x (rounded to T) and the return value is
-// this thread's share of sum(x^2). Vector loads are issued in batches before their first use, so a
-// block waits about one L2 round trip however long x is. Coherent loads: the previous kernel may
-// have written x (PDL).
+// With NORM, the sum of x^2 is kept per 8-column vector (vector_squares[v], in shared memory after
+// x) and summed in a fixed order after the staging barrier (vector_squares_total): the norm's scale
+// then does not depend on the block size, so launches of different shapes (the fused silu's pair
+// walk, the plain SpMV) agree bit for bit.
+__device__ __forceinline__ int vector_count(int cols) { return (cols + 7) / 8; }
+
+// Every warp computes it: lane l adds vectors l, l + 32, ... in order, then a warp sum.
+__device__ __forceinline__ float vector_squares_total(const float* vector_squares, int cols) {
+    float total = 0.f;
+    for (int v = threadIdx.x % kWarpSize; v < vector_count(cols); v += kWarpSize) total += vector_squares[v];
+    return warp_sum(total);
+}
+
+// x (one token) -> shared memory as fp32; with NORM, g * x (rounded to T) and vector_squares. Vector
+// loads are issued in batches before their first use, so a block waits about one L2 round trip
+// however long x is. Coherent loads: the previous kernel may have written x (PDL).
 template <typename T, bool NORM>
-__device__ __forceinline__ float stage_x_fp32(const uint16_t* x, const uint16_t* g, int cols, float* xs) {
-    float squares = 0.f;
+__device__ __forceinline__ void stage_x_fp32(const uint16_t* x, const uint16_t* g, int cols, float* xs,
+                                             float* vector_squares) {
     if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(g) % 16 != 0) {
-        for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-            const float xi = bits_to_float<T>(load_coherent_u16(x + i));
-            if constexpr (NORM) {
-                squares = fmaf(xi, xi, squares);
-                xs[i] = to_float(from_float<T>(xi * bits_to_float<T>(g[i])));  // the product is exact in fp32
-            } else {
-                xs[i] = xi;
+        for (int v = threadIdx.x; v < vector_count(cols); v += blockDim.x) {
+            float squares = 0.f;
+            for (int i = 8 * v; i < 8 * v + 8 && i < cols; ++i) {
+                const float xi = bits_to_float<T>(load_coherent_u16(x + i));
+                if constexpr (NORM) {
+                    squares = fmaf(xi, xi, squares);
+                    xs[i] = to_float(from_float<T>(xi * bits_to_float<T>(g[i])));  // the product is exact in fp32
+                } else {
+                    xs[i] = xi;
+                }
             }
+            if constexpr (NORM) vector_squares[v] = squares;
         }
-        return squares;
+        return;
     }
-    const auto widen = [&](uint32_t xw, uint32_t gw) {
+    const auto widen = [&](uint32_t xw, uint32_t gw, float& squares) {
         if constexpr (NORM) {
             const float2 f = pair_to_float2<T>(xw);
             squares = fmaf(f.x, f.x, fmaf(f.y, f.y, squares));
@@ -304,13 +328,14 @@ __device__ __forceinline__ float stage_x_fp32(const uint16_t* x, const uint16_t*
         for (int u = 0; u < kBatch; ++u) {
             const int i = first + u * blockDim.x;
             if (i >= vectors) break;
-            const float2 a = widen(v[u].x, gv[u].x), b = widen(v[u].y, gv[u].y);
-            const float2 c = widen(v[u].z, gv[u].z), d = widen(v[u].w, gv[u].w);
+            float squares = 0.f;
+            const float2 a = widen(v[u].x, gv[u].x, squares), b = widen(v[u].y, gv[u].y, squares);
+            const float2 c = widen(v[u].z, gv[u].z, squares), d = widen(v[u].w, gv[u].w, squares);
             reinterpret_cast<float4*>(xs)[2 * i] = make_float4(a.x, a.y, b.x, b.y);
             reinterpret_cast<float4*>(xs)[2 * i + 1] = make_float4(c.x, c.y, d.x, d.y);
+            if constexpr (NORM) vector_squares[i] = squares;
         }
     }
-    return squares;
 }
 
 // y[t, row] for TT tokens. X_IN_SMEM: x staged in shared memory as [cols][TT] in T (TT >= 2; one
@@ -506,18 +531,9 @@ struct OneTokenConsumer {
     __device__ __forceinline__ void stage() {
         allow_dependents_to_launch();
         wait_for_previous_kernel();
-        const float squares = stage_x_fp32<T, NORM>(x, norm_weight, cols, xs);
-        if constexpr (NORM) {
-            __shared__ float warp_squares[kMaxThreads / kWarpSize];
-            const float warp_total = warp_sum(squares);
-            if (lane == 0) warp_squares[threadIdx.x / kWarpSize] = warp_total;
-            __syncthreads();
-            float total = 0.f;
-            for (int w = 0; w < (int)blockDim.x / kWarpSize; ++w) total += warp_squares[w];
-            row_scale = rsqrtf(total / cols + eps);
-        } else {
-            __syncthreads();
-        }
+        stage_x_fp32<T, NORM>(x, norm_weight, cols, xs, xs + cols);
+        __syncthreads();
+        if constexpr (NORM) row_scale = rsqrtf(vector_squares_total(xs + cols, cols) / cols + eps);
         xs_addr = smem_addr(xs);
     }
 
@@ -740,7 +756,7 @@ void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int3
                            void* out, int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm,
                            int warps_per_block, cudaStream_t stream) {
     auto kernel = macko_spmv_one_token_kernel<T, STEPS, NORM, SILU>;
-    const int smem = cols * (int)sizeof(float);
+    const int smem = (cols + (NORM ? (cols + 7) / 8 : 0)) * (int)sizeof(float);  // x, then NORM's vector_squares
     const int walks = SILU ? rows / 2 : rows;  // first rows of the warps' walks
     const BalancedGrid launch =
         warps_per_block > 0 ? BalancedGrid{persistent_grid(kernel, walks, warps_per_block, smem, tokens), warps_per_block}

@@ -100,16 +100,37 @@ def test_spmv_one_token_every_row(cols, density, warps_per_block, steps):
     pruning to an exact count puts row starts at unaligned entries; 2048 columns at 0.25 give rows of
     one 512-entry group, 520 full columns rows just past one; some rows are emptied, one keeps a
     single entry."""
-    rows = 9000
-    matrix = sparse_matrix(rows, cols, 1.0, seed=cols)
-    kept = max(1, round(density * cols))
-    threshold = matrix.abs().float().topk(kept, dim=1).values[:, -1:]
-    matrix[matrix.abs().float() < threshold] = 0
+    matrix = pruned_per_row(9000, cols, density, seed=cols)
     matrix[50:53] = 0
     matrix[4000] = 0
     matrix[4000, 7] = 1.5
     out, x = run_spmv(matrix, 1, warps_per_block=warps_per_block, steps=steps)
     assert_every_row_close(out, matrix, x)
+
+
+def pruned_per_row(rows, cols, density, seed):
+    """The same number of nonzeros in every row, as magnitude and Wanda pruning leave them."""
+    matrix = sparse_matrix(rows, cols, 1.0, seed=seed)
+    kept = max(1, round(density * cols))
+    threshold = matrix.abs().float().topk(kept, dim=1).values[:, -1:]
+    matrix[matrix.abs().float() < threshold] = 0
+    return matrix
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rows_one_chunk_past_whole_groups(tokens):
+    """2048 entries per row (4096 columns at d = 0.5) fill whole groups, so an unaligned row start leaves
+    its last group only the few entries of lane 0's first chunk (decoded without a warp scan)."""
+    matrix = pruned_per_row(1000, 4096, 0.5, seed=tokens)
+    matrix[0, (matrix[0] == 0).nonzero()[:3, 0]] = 1.0  # 3 more entries: later rows start 3 past a chunk
+    for steps in (1, 2):
+        out, x = run_spmv(matrix, tokens, steps=steps)
+        assert_every_row_close(out[:1], matrix, x[:1])
+        assert relative_error(out, matrix, x) < 2e-3
+    values, deltas, row_ptr = compress(matrix)
+    past_whole_groups = (row_ptr[1:] - (row_ptr[:-1] & ~7)) % 512  # entries in the last 512-entry group
+    assert ((past_whole_groups >= 1) & (past_whole_groups <= 8)).float().mean() > 0.8
+    assert torch.equal(ops.macko_decompress(values, deltas, row_ptr, cols=matrix.shape[1]), matrix)
 
 
 def assert_every_row_close(out, matrix, x):
@@ -292,6 +313,20 @@ def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
     expected = expected + residual.double()
     ops.macko_spmv(values, deltas, row_ptr, x, out=residual, norm_weight=g, eps=1e-5, accumulate=True)
     assert relative_difference(residual, expected) < tolerance
+
+
+@pytest.mark.parametrize("cols", [4096, 4097], ids=["vector-staging", "scalar-staging"])
+def test_spmv_norm_is_the_same_for_every_block_size(cols):
+    """The norm's sum of x^2 is added in an order fixed by the columns, not by the block's threads: a
+    launch of 4-warp blocks, 16-warp blocks or the balanced grid gives the same bits (and so does the
+    silu fusion's pair walk, whose grid differs from the plain SpMV's)."""
+    matrix = sparse_matrix(600, cols, 0.5, seed=cols)
+    values, deltas, row_ptr = compress(matrix)
+    x = torch.randn(1, cols, device="cuda", dtype=torch.float16)
+    g = torch.rand(cols, device="cuda", dtype=torch.float16) + 0.5
+    outs = [ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, warps_per_block=warps)
+            for warps in (0, 4, 16)]
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 @pytest.mark.parametrize("tokens, tuning", [(3, {}), (1, dict(x_in_smem=0)), (1, dict(pipeline=0))],
