@@ -22,7 +22,8 @@ struct MackoNorm {
     const void* weight = nullptr;  // g [cols] in the values' dtype; null: no norm
     float eps = 0.f;
 };
-// Longest x the one-token kernel stages (64 KB of fp32 per block): the norm and silu_mul fuse up to it.
+// Longest x the one-token kernel stages (64 KB of fp32 per block, and 8 KB of the norm's sums of x^2):
+// the norm and silu_mul fuse up to it.
 constexpr int kMackoFusedMaxCols = 16384;
 
 // out[t, r] = sum_c W[r, c] * x[t, c] for t < tokens (with `accumulate`, out[t, r] += that: the
