@@ -423,9 +423,10 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     passes; prefill should decompress instead). The kernel fuses the norm and silu_mul for one token
     of up to MACKO_FUSED_MAX_COLS columns (decode); other inputs run the rms_norm kernel before and the
     silu_mul kernel after. `steps`, `warps_per_block`, `x_in_smem` are launch knobs for benchmarks, the
-    defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs the reference kernel's schedule (one step loaded then
-    decoded, x gathered from global memory). The op's schema has no defaults (a defaulted argument
-    segfaulted another op on the device), so this wrapper passes every knob.
+    defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs the reference kernel's
+    schedule (one step loaded then decoded, x gathered from global memory). The op's schema has no
+    defaults (a defaulted argument segfaulted another op on the device), so this wrapper passes every
+    knob.
     """
     if accumulate and out is None:
         raise FormatError("macko_spmv(accumulate=True) adds into `out`: pass the tensor to add into")
