@@ -290,16 +290,17 @@ template <typename T, bool NORM>
 __device__ __forceinline__ void stage_x_fp32(const uint16_t* x, const uint16_t* g, int cols, float* xs,
                                              float* vector_squares) {
     if (cols % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(g) % 16 != 0) {
+        const auto stage_column = [&](int i) {
+            const float xi = bits_to_float<T>(load_coherent_u16(x + i));
+            if constexpr (NORM) xs[i] = to_float(from_float<T>(xi * bits_to_float<T>(g[i])));  // exact in fp32
+            else xs[i] = xi;
+            return xi;
+        };
         for (int v = threadIdx.x; v < vector_count(cols); v += blockDim.x) {
             float squares = 0.f;
-            for (int i = 8 * v; i < 8 * v + 8 && i < cols; ++i) {
-                const float xi = bits_to_float<T>(load_coherent_u16(x + i));
-                if constexpr (NORM) {
-                    squares = fmaf(xi, xi, squares);
-                    xs[i] = to_float(from_float<T>(xi * bits_to_float<T>(g[i])));  // the product is exact in fp32
-                } else {
-                    xs[i] = xi;
-                }
+            for (int i = 8 * v; i < 8 * v + 8 && i < cols; i += 2) {
+                const float x0 = stage_column(i), x1 = i + 1 < cols ? stage_column(i + 1) : 0.f;
+                squares = fmaf(x0, x0, fmaf(x1, x1, squares));  // the vector path's order: odd column first
             }
             if constexpr (NORM) vector_squares[v] = squares;
         }
@@ -739,6 +740,11 @@ BalancedGrid balanced_grid(Kernel kernel, int rows, int max_warps, int smem_byte
     return {dim3(blocks < slots ? blocks : slots, passes), warps};
 }
 
+// The one-token kernel's dynamic shared memory: x as fp32, then (with the norm) its per-vector sums of x^2.
+int64_t one_token_smem_bytes(int64_t cols, bool norm) {
+    return (cols + (norm ? (cols + 7) / 8 : 0)) * (int64_t)sizeof(float);
+}
+
 template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,
                        int rows, int cols, int tokens, bool accumulate, int warps_per_block, cudaStream_t stream) {
@@ -756,7 +762,7 @@ void launch_spmv_one_token(const void* values, const uint8_t* deltas, const int3
                            void* out, int rows, int cols, int tokens, bool accumulate, const MackoNorm& norm,
                            int warps_per_block, cudaStream_t stream) {
     auto kernel = macko_spmv_one_token_kernel<T, STEPS, NORM, SILU>;
-    const int smem = (cols + (NORM ? (cols + 7) / 8 : 0)) * (int)sizeof(float);  // x, then NORM's vector_squares
+    const int smem = (int)one_token_smem_bytes(cols, NORM);
     const int walks = SILU ? rows / 2 : rows;  // first rows of the warps' walks
     const BalancedGrid launch =
         warps_per_block > 0 ? BalancedGrid{persistent_grid(kernel, walks, warps_per_block, smem, tokens), warps_per_block}
@@ -799,7 +805,7 @@ void launch_spmv_dtype(const void* values, const uint8_t* deltas, const int32_t*
     while (per_pass < tokens && per_pass < 16) per_pass *= 2;
     while (per_pass > 1 && (int64_t)cols * per_pass * (int64_t)sizeof(T) > smem_optin) per_pass /= 2;
     const bool x_in_smem =
-        tuning.x_in_smem != 0 && (per_pass > 1 || (int64_t)cols * (int64_t)sizeof(float) <= smem_optin);
+        tuning.x_in_smem != 0 && (per_pass > 1 || one_token_smem_bytes(cols, norm.weight != nullptr) <= smem_optin);
     if (!x_in_smem) per_pass = 1;  // the global-x path takes one token per pass
     const int steps = tuning.steps > 0 ? tuning.steps : kDefaultSteps;
     // Several tokens per pass need large x tiles (few blocks per SM): give those blocks more warps.

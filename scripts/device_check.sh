@@ -27,7 +27,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     note "pytest (GPU): exit $? | $(tail -n 1 "$OUT/pytest.txt")"
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
         python3 -m pytest -x -p no:cacheprovider "${kernel_tests[@]}" \
-        -k "not opcheck and not float64_sdpa and not every_launch and not many_tiles and not every_block_size and (not every_row or 4096-0.5)" \
+        -k "not opcheck and not float64_sdpa and not every_launch and not many_tiles and not every_launch_shape and (not every_row or 4096-0.5)" \
         > "$OUT/memcheck.txt" 2>&1
     note "memcheck: exit $? | $(grep 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -n 1) | $(tail -n 1 "$OUT/memcheck.txt")"
     timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 10 \

@@ -317,18 +317,20 @@ def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_spmv_norm_is_the_same_for_every_block_size(seed):
-    """The norm's sum of x^2 is added in an order fixed by the columns, not by the block's threads:
-    4-warp blocks, 16-warp blocks and the balanced grid give the same bits. With 16384 outputs, scales
-    an ulp apart would round a few of them the other way (the former per-thread order did; the silu
-    fusion's bit-identity rests on this too)."""
+def test_spmv_norm_is_the_same_for_every_launch_shape(seed):
+    """The norm's sum of x^2 is added in an order fixed by the columns alone, not by the block's threads
+    or x's alignment: 4-warp blocks, 16-warp blocks and x at an unaligned address (the scalar staging
+    path) give the same bits. With 16384 outputs, scales an ulp apart would round a few of them the
+    other way (the former per-thread order did; the silu fusion's bit-identity rests on this too)."""
     matrix = sparse_matrix(16384, 4096, 0.5, seed=seed)
     values, deltas, row_ptr = compress(matrix)
     generator = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(1, 4096, device="cuda", generator=generator).half()
     g = (torch.rand(4096, device="cuda", generator=generator) + 0.5).half()
-    outs = [ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, warps_per_block=warps)
-            for warps in (0, 4, 16)]
+    shifted = torch.empty(1, 4097, device="cuda", dtype=torch.float16)
+    shifted[:, 1:] = x
+    inputs = [(x, {}), (x, dict(warps_per_block=4)), (x, dict(warps_per_block=16)), (shifted[:, 1:], {})]
+    outs = [ops.macko_spmv(values, deltas, row_ptr, xi, norm_weight=g, eps=1e-5, **tuning) for xi, tuning in inputs]
     assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
