@@ -1,17 +1,19 @@
 """Benchmark minfer on a GPU: each kernel against its vendor baseline, and end-to-end generation.
 
 Examples:
-  python apps/benchmark.py                                   # both suites, float16
+  python apps/benchmark.py                                   # kernels, e2e and macko-e2e, float16
   python apps/benchmark.py --suite kernels --ops gemv,argmax --json out/kernels.json --plot out/kernels.png
   python apps/benchmark.py --suite kernels --ops gemv --shapes 4096x11008,32000x4096 --reps 50
   python apps/benchmark.py --suite e2e --model llama2-7b --prompt-tokens 512 --new-tokens 256
   python apps/benchmark.py --suite macko-e2e --densities 1.0,0.5,0.1 --plot out/macko.png
+  python apps/benchmark.py --suite macko --densities 0.3,0.5 --shapes 12288x4096 --json out/macko.json
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
 suite times a random-weight model at batch 1 with minfer's kernels and with the plain-torch backend;
 the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, and reports decode
-speed and peak memory against dense (its plot goes next to --plot, suffixed -macko-e2e).
+speed and peak memory against dense (its plot goes next to --plot, suffixed -macko-e2e). The macko
+suite is the MACKO kernel study of minfer.bench.macko_suite without its launch sweep.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
+from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
@@ -32,28 +35,18 @@ from minfer.model import EMBEDDING_PLACES  # noqa: E402
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def csv_list(text: str) -> list[str]:
-    return [item for item in text.split(",") if item]
-
-
-def density_list(text: str) -> list[float]:
-    try:
-        densities = [float(item) for item in csv_list(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"densities must be numbers in (0, 1], got {text!r}") from None
-    if not densities or not all(0.0 < d <= 1.0 for d in densities):
-        raise argparse.ArgumentTypeError(f"densities must be numbers in (0, 1], got {text!r}")
-    return densities
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="apps/benchmark.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("kernels", "e2e", "macko-e2e", "all"), default="all")
+    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "all"), default="all",
+                        help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
+                             "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
+                             "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep)")
     parser.add_argument("--ops", type=csv_list, default=None, metavar="A,B",
                         help=f"kernel ops to run (default: all of {', '.join(kernel_suite.registered_ops())})")
     parser.add_argument("--shapes", type=csv_list, default=None, metavar="NxK,...",
-                        help="only the kernel cases with these shape labels (e.g. 4096x11008)")
+                        help="only the kernel cases with these shape labels (e.g. 4096x11008); macko: the matrix "
+                             "shapes (default: Llama-2-7B's five)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
     parser.add_argument("--reps", type=int, default=20, help="timed graph replays per case (median; default 20)")
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
@@ -61,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
     parser.add_argument("--densities", type=density_list, default=None, metavar="D,...",
                         help="macko-e2e: densities, 1.0 meaning dense (default: "
-                             f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)})")
+                             f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)}); macko: the pruning "
+                             f"densities (default: {','.join(str(d) for d in macko_suite.DENSITIES)})")
     parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default="host",
                         help="e2e: where minfer keeps the token embedding (default host: pinned memory, one row "
                              "read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
@@ -71,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    macko_shapes = macko_suite.LLAMA2_7B_SHAPES
+    if args.suite == "macko" and args.shapes:
+        try:
+            macko_shapes = matrix_shape_list(",".join(args.shapes))
+        except argparse.ArgumentTypeError as e:
+            raise MinferError(f"--shapes: {e}") from None
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
     dtype = DTYPES[args.dtype]
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     kernel_rows: list[dict] = []
     e2e_rows: list[dict] = []
     macko_rows: list[dict] = []
+    macko_kernel_rows: dict[str, list[dict]] = {}
 
     if args.suite in ("kernels", "all"):
         copy_gbs, kernel_rows = kernel_suite.run(
@@ -90,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
         e2e_rows = e2e_suite.run(args.model, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
                                  embedding=args.embedding)
 
+    if args.suite == "macko":
+        copy_gbs, macko_kernel_rows = macko_suite.run(
+            macko_suite.STUDY_SECTIONS, macko_shapes, args.densities or macko_suite.DENSITIES, dtype, args.reps,
+            on_row=lambda section, row: print(f"  macko {section} {row['shape']} d{row['density']}: "
+                                              f"{row['minfer_ms']:.4f} ms", flush=True))
+        env["copy_gbs"] = round(copy_gbs, 1)
     if args.suite in ("macko-e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         densities = args.densities or macko_suite.E2E_DENSITIES
@@ -104,11 +111,14 @@ def run(args: argparse.Namespace) -> int:
         report.print_table(f"end to end: {args.model}, random weights, batch 1, {args.prompt_tokens}-token prompt, "
                            f"{args.new_tokens} new tokens, minfer's embedding on the {args.embedding}",
                            e2e_suite.COLUMNS, e2e_rows)
+    for section, rows in macko_kernel_rows.items():
+        report.print_table(f"MACKO {section} ({env.get('device')}, {args.dtype})", macko_suite.COLUMNS[section], rows)
     if macko_rows:
         report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1, "
                            f"embedding on the {args.embedding}", macko_suite.COLUMNS["e2e"], macko_rows)
     if args.json:
-        report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows})
+        report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
+                                           "macko": macko_kernel_rows})
         print(f"wrote {args.json}")
     if args.plot and (kernel_rows or e2e_rows):
         report.plot(args.plot, env, kernel_rows, e2e_rows)

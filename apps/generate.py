@@ -9,6 +9,9 @@ Examples:
   HF_TOKEN=hf_... python apps/generate.py --model llama2-7b-chat --chat --prompt "Name three rivers."
   python apps/generate.py --model tinyllama-1.1b --temperature 0.8 --top-p 0.95 --prompt "The ocean"
   python apps/generate.py --model /path/to/hf-checkpoint --dtype bfloat16 --json
+  python apps/generate.py --model llama2-7b --weights random --sparse macko --density 0.5
+  python apps/generate.py --model llama2-7b --sparse macko --density 0.5 --prune wanda --save-compressed ./l7-macko
+  python apps/generate.py --model ./l7-macko
 
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
@@ -36,6 +39,7 @@ from minfer.model import EMBEDDING_PLACES  # noqa: E402
 from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
 from minfer.sampling import SamplingParams  # noqa: E402
 from minfer.sparsity import cli as sparsity_cli  # noqa: E402
+from minfer.sparsity.report import report_summary  # noqa: E402
 from minfer.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
 
 DEFAULT_PROMPT = "The harbour town wakes before the sun does."
@@ -101,13 +105,14 @@ def run(args: argparse.Namespace) -> int:
     if args.embedding == "host" and args.backend != "minfer":
         raise MinferError("--embedding host needs --backend minfer (its kernel reads the table from host memory)")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    resolved = resolve(args.model, args.weights)
+    resolved = resolve(args.model, sparsity_cli.weights_source(args))
+    sparsity_cli.check(args, resolved)
     config = resolved.config
     tokenizer = Tokenizer(resolved.tokenizer_path)
     prompt_ids = tokenizer.chat_prompt(args.prompt) if args.chat else tokenizer.encode(args.prompt)
 
     max_seq_len = context_length(config, args.max_seq_len, len(prompt_ids))
-    check_memory(config, dtype, device, max_seq_len)
+    check_memory(config, dtype, device, max_seq_len, sparsity_cli.stored_weight_bytes(args, resolved, dtype))
 
     dtype_name = str(dtype).removeprefix("torch.")
     params_count = config.param_count()
@@ -122,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
     model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
-    sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note)
+    sparsity = sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note)
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
         note("NOTE: the embedding is tied to lm_head, which reads it every step: it stays on the GPU.")
@@ -131,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         result = generator.generate(prompt_ids, params, args.max_new_tokens)
         print(json.dumps({"model": resolved.name, "random_weights": resolved.is_random, "device": str(device),
-                          "dtype": dtype_name, "sparse": args.sparse, "prompt_ids": prompt_ids,
+                          "dtype": dtype_name, "sparse": args.sparse,
+                          "sparsity": None if sparsity is None else report_summary(sparsity), "prompt_ids": prompt_ids,
                           "generated_ids": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
         return 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
 
 from .config import ALIASES, KNOWN_CONFIGS, ModelConfig
 from .errors import CheckpointError, UnknownModelError
@@ -51,15 +52,18 @@ class ResolvedModel:
 def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     """`model`: None or "minfer-demo" (the embedded demo), an alias, a local folder, or an HF repo id.
     `weights`: "hf" loads the checkpoint's safetensors, "random" builds its architecture with
-    seeded random weights (aliases need no download; other models fetch config.json only)."""
+    seeded random weights (aliases need no download; other models fetch config.json only), "none"
+    takes only the config and the model's own tokenizer, for weights that come from elsewhere
+    (path None, not random)."""
     from .demo import DEMO_NAME, demo_checkpoint_dir
 
-    if weights not in ("hf", "random"):
-        raise CheckpointError(f"weights must be 'hf' or 'random', got {weights!r}")
+    if weights not in ("hf", "random", "none"):
+        raise CheckpointError(f"weights must be 'hf', 'random' or 'none', got {weights!r}")
     if model is None or model == DEMO_NAME:
         folder = demo_checkpoint_dir()
-        return ResolvedModel(DEMO_NAME, ModelConfig.from_json(folder / "config.json"), folder,
-                             folder / "tokenizer.model", is_random=True)
+        return ResolvedModel(DEMO_NAME, ModelConfig.from_json(folder / "config.json"),
+                             None if weights == "none" else folder, folder / "tokenizer.model",
+                             is_random=weights != "none")
     if model in ALIASES and weights == "random":
         return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None, bundled_tokenizer_path(),
                              is_random=True)
@@ -78,6 +82,8 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     if weights == "random":
         tokenizer = find_tokenizer(folder, required=False) or bundled_tokenizer_path()
         return ResolvedModel(model, config, None, tokenizer, is_random=True)
+    if weights == "none":
+        return ResolvedModel(model, config, None, find_tokenizer(folder, required=True), is_random=False)
     weight_files(folder)  # fail now, before any allocation, if there is nothing to load
     return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True), is_random=False)
 
@@ -193,19 +199,23 @@ def _targets(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -
 # ----------------------------------------------------------------------------------------------
 
 
-def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> nn.Module:
+def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+               progress: bool = False) -> nn.Module:
     """The Transformer of a resolved model on `device`: its checkpoint, or seeded random weights."""
     model = Transformer(resolved.config)
     if resolved.path is None:
+        if not resolved.is_random:
+            raise CheckpointError(f"{resolved.name} was resolved without weights; load them from their own file")
         return random_init(model, seed, dtype, device)
     from .sparsity.compressed import is_compressed, load_compressed
 
     if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats
-        return load_compressed(model, resolved.path, dtype, device)
-    return load_weights(model, resolved.path, dtype, device)
+        return load_compressed(model, resolved.path, dtype, device, progress)
+    return load_weights(model, resolved.path, dtype, device, progress)
 
 
-def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                 progress: bool = False) -> nn.Module:
     """Fill a meta-built Transformer from the safetensors checkpoint in folder `path`.
 
     Checks the checkpoint before allocating anything: every expected tensor present, nothing
@@ -229,7 +239,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
                 raise CheckpointError(f"tensor {name} in {files[name].name} has shape {stored}, expected {shape}")
         targets = _targets(model, dtype, device)
         with torch.no_grad():
-            for name, (target, row, shape) in layout.items():
+            for name, (target, row, shape) in tqdm(layout.items(), desc="loading", unit="tensor", disable=not progress):
                 source = handles[files[name]].get_tensor(name)  # one tensor at a time, from the mmap
                 targets[target][row:row + shape[0]].copy_(source)
     return model

@@ -69,14 +69,16 @@ class MemoryEstimate:
         return self.weights + self.kv_cache + self.activations + RESERVE_BYTES
 
 
-def estimate_memory(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, batch_size: int = 1) -> MemoryEstimate:
-    """Bytes a dense model needs to generate with a `max_seq_len` cache. The largest activation is
-    a full-context prefill: its hidden states and MLP intermediates, plus the last position's logits
-    (prefill computes no others) in the model dtype and in fp32 for sampling."""
+def estimate_memory(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, batch_size: int = 1,
+                    weight_bytes: int | None = None) -> MemoryEstimate:
+    """Bytes a model needs to generate with a `max_seq_len` cache: its weights (`weight_bytes`, by
+    default the dense model's), the cache, and the largest activation, a full-context prefill: its
+    hidden states and MLP intermediates, plus the last position's logits (prefill computes no
+    others) in the model dtype and in fp32 for sampling."""
     per_token = (4 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize
     logits = batch_size * config.vocab_size * (dtype.itemsize + 4)
     return MemoryEstimate(
-        weights=config.weight_bytes(dtype),
+        weights=config.weight_bytes(dtype) if weight_bytes is None else weight_bytes,
         kv_cache=kv_cache_bytes(config.num_layers, batch_size, config.num_kv_heads, max_seq_len, config.head_dim,
                                 dtype),
         activations=batch_size * max_seq_len * per_token + logits,
@@ -97,9 +99,11 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_seq_len: int) -> MemoryEstimate:
-    """Raise DeviceError, before allocating anything, if the model cannot fit on `device`."""
-    need = estimate_memory(config, dtype, max_seq_len)
+def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_seq_len: int,
+                 weight_bytes: int | None = None) -> MemoryEstimate:
+    """Raise DeviceError, before allocating anything, if the model cannot fit on `device`
+    (`weight_bytes`: what its weights take when they are not the dense model's, e.g. compressed)."""
+    need = estimate_memory(config, dtype, max_seq_len, weight_bytes=weight_bytes)
     free = available_bytes(device)
     if free is not None and need.total > free:
         where = "GPU memory is free" if device.type == "cuda" else "RAM is available"

@@ -1,12 +1,19 @@
 """Benchmark plumbing that needs no GPU: case selection, the table, JSON and the plot."""
 
+import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from minfer.bench import e2e_suite, kernel_suite, report
+from minfer.bench.arg_types import density_list, matrix_shape_list
 from minfer.errors import MinferError
+from tests.conftest import requires_cuda
+from tests.test_cli import load_app
+
+BENCHMARK_APP = Path(__file__).resolve().parent.parent / "apps" / "benchmark.py"
 
 
 def test_registry_finds_the_case_modules_and_filters_by_shape():
@@ -44,3 +51,35 @@ def test_table_json_and_plot(tmp_path, capsys):
 def test_environment_names_the_commit():
     env = report.environment()
     assert env["commit"] and env["torch"] == torch.__version__
+
+
+def test_density_and_shape_arguments():
+    assert density_list("0.5,1.0") == [0.5, 1.0]
+    assert matrix_shape_list("4096x11008,32000x4096") == [(4096, 11008), (32000, 4096)]
+    for bad in ("0", "1.5", "half", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="densities must be"):
+            density_list(bad)
+    for bad in ("4096", "0x8", "8x-1", "axb", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
+            matrix_shape_list(bad)
+
+
+def test_benchmark_app_rejects_a_bad_macko_shape(capsys):
+    assert load_app(BENCHMARK_APP).main(["--suite", "macko", "--shapes", "4096"]) == 2
+    assert "--shapes: shapes must be NxK" in capsys.readouterr().err
+
+
+@requires_cuda
+def test_benchmark_app_macko_suite_reports_every_baseline(tmp_path):
+    """`--suite macko` runs the MACKO study's SpMV (with torch CSR, the dense reference and the
+    reference schedule), SpMM and decompression sections and writes them to --json."""
+    out = tmp_path / "macko.json"
+    assert load_app(BENCHMARK_APP).main(["--suite", "macko", "--shapes", "96x200", "--densities", "0.5",
+                                         "--reps", "2", "--json", str(out)]) == 0
+    macko = json.loads(out.read_text())["macko"]
+    (spmv,) = macko["spmv"]
+    assert spmv["shape"] == "96x200" and spmv["density"] == 0.5
+    for key in ("minfer_ms", "cublas_ms", "csr_ms", "reference_ms", "ref_schedule_ms"):
+        assert spmv[key] > 0, key
+    assert [row["tokens"] for row in macko["spmm"]] == [2, 4, 8, 16]
+    assert len(macko["decompress"]) == 1

@@ -129,6 +129,15 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--max-new-tokens", "many"], ["invalid int value"]),
     (["--embedding", "host", "--backend", "torch"], ["--embedding host needs --backend minfer"]),
     (["--embedding", "disk"], ["--embedding", "invalid choice"]),
+    (["--sparse", "macko"], ["random weights have no zeros", "--density"]),
+    (["--sparse", "macko", "--prune", "wanda"], ["--prune sets how --density prunes"]),
+    (["--sparse", "macko", "--density", "0.5", "--calib-samples", "2"], ["--calib-samples", "add --prune wanda"]),
+    (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-seq-len", "5000"],
+     ["--calib-seq-len 5000 exceeds the 1024 positions"]),
+    (["--sparse", "macko", "--density", "1.5"], ["density must be in (0, 1]"]),
+    (["--sparse", "macko", "--density", "0.5", "--save-compressed", str(APP)], ["--save-compressed", "is a file"]),
+    (["--macko-reference", "/no/such/file"], ["--macko-reference /no/such/file does not exist"]),
+    (["--macko-reference", str(APP), "--weights", "random"], ["drop --weights random"]),
 ])
 def test_bad_flag_values_in_process(capsys, args, fragments):
     """The same contract for flag values, through main() in this process."""
@@ -245,3 +254,57 @@ def test_profile_app_without_a_gpu_says_so(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert load_app(PROFILE_APP).main(["--op", "decode", "--timeline"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def sparse_json(*args: str) -> dict:
+    result = cli("--device", "cpu", "--max-new-tokens", "6", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout) | {"stderr": result.stderr}
+
+
+def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
+    """--sparse macko --density prunes and compresses with progress bars and a report; the saved
+    folder reloads as it was (same greedy tokens) and refuses to be pruned again."""
+    folder = tmp_path / "macko"
+    first = sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.5",
+                        "--save-compressed", str(folder))
+    assert first["sparsity"]["density"] == 0.5 and first["sparsity"]["block_density"] == [0.5, 0.5]
+    assert first["sparsity"]["projection_bytes_stored"] < first["sparsity"]["projection_bytes_dense"]
+    for shown in ("magnitude pruning", "converting to macko", "projections: density 0.500", "saved the compressed"):
+        assert shown in first["stderr"]
+    again = sparse_json("--model", str(folder))
+    assert again["generated_ids"] == first["generated_ids"] and again["sparsity"] == first["sparsity"]
+    assert again["random_weights"] is False and "loading" in again["stderr"]
+    assert_input_error(cli("--device", "cpu", "--model", str(folder), "--density", "0.3"),
+                       "pruned already", "dense checkpoint")
+
+
+def test_wanda_from_the_command_line(local_checkpoint):
+    out = sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.25", "--prune", "wanda",
+                      "--calib-samples", "2", "--calib-seq-len", "16")
+    assert out["sparsity"]["density"] == 0.25 and "wanda pruning" in out["stderr"]
+
+
+def test_macko_reference_takes_only_config_and_tokenizer_from_the_model(local_checkpoint, tmp_path):
+    """A folder with config.json and the tokenizer, no weights: --macko-reference brings them."""
+    from minfer.checkpoint import hf_state_dict
+    from minfer.formats.macko import compress
+    from minfer.sparsity import prune_model_
+
+    model = prune_model_(tiny_random_model(torch.float16), 0.5, progress=False)
+    state = {}
+    for name, tensor in hf_state_dict(model).items():
+        if "self_attn" in name or "mlp" in name:
+            for i, part in enumerate((*compress(tensor.contiguous()), *tensor.shape)):
+                state[name.replace("weight", f"c_{i}")] = part
+        else:
+            state[name] = tensor.clone()
+    torch.save(state, tmp_path / "reference_compressed.pt")
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copyfile(local_checkpoint / name, config_only / name)
+    out = sparse_json("--model", str(config_only), "--macko-reference", str(tmp_path / "reference_compressed.pt"),
+                      "--dtype", "float16")
+    assert out["random_weights"] is False and out["sparsity"]["density"] == 0.5
+    assert "RANDOM" not in out["stderr"]

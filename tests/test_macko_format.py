@@ -159,6 +159,15 @@ def test_weight_buffers_nbytes_and_size_report():
     assert weight.rows_larger_than_dense() >= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rows_larger_than_dense_counts_the_value_size(dtype):
+    """A row of c entries takes c values, c / 2 bytes of nibbles and its row_ptr slot: more than
+    the dense row in any dtype; a row of a quarter of its columns takes less in any dtype."""
+    matrix = torch.randn(6, 64).to(dtype)
+    matrix[3:, 16:] = 0
+    assert MackoWeight.from_dense(matrix).rows_larger_than_dense() == 3
+
+
 def test_from_dense_with_density_prunes_each_row():
     matrix = torch.randn(10, 64).half()
     weight = MackoWeight.from_dense(matrix, density=0.25)
@@ -243,6 +252,21 @@ def test_save_and_load_compressed_round_trip(tmp_path):
         assert isinstance(b.fmt, MackoWeight), name
         assert_same_arrays((b.fmt.values, b.fmt.deltas, b.fmt.row_ptr), (a.fmt.values, a.fmt.deltas, a.fmt.row_ptr))
     assert torch.equal(logits(model), logits(loaded))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_stored_weight_bytes_is_what_loading_allocates(tmp_path, dtype):
+    """The memory check's figure for a compressed folder: every tensor's bytes in the loading dtype."""
+    from minfer.checkpoint import ResolvedModel, load_model
+    from minfer.sparsity.compressed import save_compressed, stored_weight_bytes
+
+    model = convert(tiny_pruned_model(torch.float16), "macko")
+    folder = save_compressed(model, tmp_path / "compressed")
+    assert not list(folder.glob("*.partial"))
+    resolved = ResolvedModel("tiny", model.config, folder, folder / "tokenizer.model", is_random=False)
+    loaded = load_model(resolved, dtype, "cpu")
+    allocated = sum(t.numel() * t.element_size() for t in loaded.checkpoint_tensors().values())
+    assert stored_weight_bytes(folder, dtype) == allocated
 
 
 def test_load_reference_tool_checkpoint(tmp_path):

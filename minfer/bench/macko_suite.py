@@ -24,10 +24,12 @@ import torch.nn.functional as F
 from .. import ops
 from ..model import EMBEDDING_PLACES
 from . import report
+from .arg_types import density_list, matrix_shape_list
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 SECTIONS = ("spmv", "sweep", "spmm", "decompress")  # kernel sections; "e2e" runs the model
+STUDY_SECTIONS = ("spmv", "spmm", "decompress")  # apps/benchmark.py --suite macko: all but the long sweep
 E2E_DENSITIES = (1.0, 0.7, 0.5, 0.3, 0.1)
 DENSITIES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SWEEP_DENSITIES = (0.1, 0.3, 0.5, 0.7)
@@ -247,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minfer.bench.macko_suite", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
-    parser.add_argument("--shapes", default=None, help="comma list of NxK (default: the Llama-2-7B shapes)")
-    parser.add_argument("--densities", default=None, help="comma list (default: 0.1,...,0.9)")
+    parser.add_argument("--shapes", type=matrix_shape_list, default=None,
+                        help="comma list of NxK (default: the Llama-2-7B shapes)")
+    parser.add_argument("--densities", type=density_list, default=None,
+                        help="comma list (default: 0.1,...,0.9; e2e: 1.0,0.7,0.5,0.3,0.1, 1.0 meaning dense)")
     parser.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
@@ -266,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(sections) - {*SECTIONS, "e2e"}
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else LLAMA2_7B_SHAPES
-    densities = [float(d) for d in args.densities.split(",")] if args.densities else DENSITIES
+    shapes = args.shapes or LLAMA2_7B_SHAPES
+    densities = args.densities or DENSITIES
     env = report.environment()
     report.print_environment(env)
     done: dict[str, list[dict]] = {s: [] for s in sections}
@@ -282,9 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs, results = run(kernel_sections, shapes, densities, replays=args.reps, on_row=on_row)
     if "e2e" in sections:
         done["e2e"] = []
-        results["e2e"] = e2e_rows(args.model, [float(d) for d in args.densities.split(",")] if args.densities
-                                  else E2E_DENSITIES, args.prompt_tokens, args.new_tokens, torch.float16, copy_gbs,
-                                  on_row, args.embedding)
+        results["e2e"] = e2e_rows(args.model, args.densities or E2E_DENSITIES, args.prompt_tokens, args.new_tokens,
+                                  torch.float16, copy_gbs, on_row, args.embedding)
         if args.plot:
             plot_e2e(args.plot, results["e2e"], f"{args.model}, random weights pruned by magnitude, batch 1, "
                                                 f"{env.get('device')}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..errors import FormatError
 from .base import WeightFormat
@@ -21,14 +22,15 @@ def format_class(spec: str) -> type[WeightFormat]:
     return FORMATS[name]
 
 
-def convert(model: nn.Module, spec: str, **options) -> nn.Module:
+def convert(model: nn.Module, spec: str, progress: bool = False, **options) -> nn.Module:
     """Re-encode every projection of `model` (attention and MLP linears) in format `spec`.
 
     Embeddings and lm_head stay dense. Layers are converted one at a time, so at most one
     extra matrix is alive at once. `options` go to the format's `from_dense`.
     """
     cls = format_class(spec)
-    for _, linear in model.projections():
+    projections = list(model.projections())
+    for _, linear in tqdm(projections, desc=f"converting to {cls.name}", unit="matrix", disable=not progress):
         if not isinstance(linear.fmt, cls):  # already in this format (e.g. loaded compressed)
             linear.set_format(cls.from_dense(linear.fmt.to_dense(), **options))
     return model

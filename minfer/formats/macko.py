@@ -210,6 +210,7 @@ class MackoWeight(WeightFormat):
         return int(torch.count_nonzero(self.values[:stored]))
 
     def rows_larger_than_dense(self) -> int:
-        """Rows whose entries (2.5 bytes each) plus their row_ptr slot outweigh the dense row."""
-        entry_bytes_x2 = 5 * self.row_ptr.diff().long() + 8
-        return int((entry_bytes_x2 > 2 * self.in_features * self.values.element_size()).sum())
+        """Rows whose entries (a value and a nibble each) plus their row_ptr slot outweigh the dense row."""
+        value_bytes = self.values.element_size()
+        bytes_x2 = (2 * value_bytes + 1) * self.row_ptr.diff().long() + 2 * self.row_ptr.element_size()
+        return int((bytes_x2 > 2 * self.in_features * value_bytes).sum())

@@ -10,66 +10,130 @@ import torch
 from torch import nn
 
 from ..errors import MinferError
-from .prune import METHODS, calibration_tokens, prune_model_
-from .report import block_reports, format_report
+from .prune import METHODS, calibration_tokens, keep_per_row, prune_model_
+from .report import BlockReport, block_reports, format_report
+
+CALIB_SAMPLES = 16
+CALIB_SEQ_LEN = 256
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sparsity (with --sparse macko)")
     group.add_argument("--density", type=float, default=None, metavar="D",
                        help="prune each projection row to this fraction of its weights before converting "
-                            "(e.g. 0.5); default: keep the checkpoint's zeros as they are")
-    group.add_argument("--prune", choices=METHODS, default="magnitude",
-                       help="pruning score: |w| (magnitude) or |w| * ||x|| over calibration text (wanda)")
+                            "(e.g. 0.5); default: keep the checkpoint's zeros as they are (random weights "
+                            "have none: they need --density)")
+    group.add_argument("--prune", choices=METHODS, default=None,
+                       help="how --density prunes: |w| (magnitude, the default) or |w| * ||x|| over "
+                            "calibration text (wanda)")
     group.add_argument("--calib-text", default=None, metavar="FILE",
                        help="wanda calibration text (default: the small corpus shipped in data/corpus)")
-    group.add_argument("--calib-samples", type=int, default=16, metavar="N", help="wanda samples (default: 16)")
-    group.add_argument("--calib-seq-len", type=int, default=256, metavar="L",
-                       help="tokens per wanda sample (default: 256)")
+    group.add_argument("--calib-samples", type=int, default=None, metavar="N",
+                       help=f"wanda samples (default: {CALIB_SAMPLES})")
+    group.add_argument("--calib-seq-len", type=int, default=None, metavar="L",
+                       help=f"tokens per wanda sample (default: {CALIB_SEQ_LEN})")
     group.add_argument("--save-compressed", default=None, metavar="DIR",
                        help="write the pruned, converted model to DIR; later runs load it with --model DIR")
     group.add_argument("--macko-reference", default=None, metavar="FILE",
                        help="load the projections from a checkpoint of macko_spmv's compression script "
-                            "(keys <name>.c_0 ... c_4); config and tokenizer come from --model")
+                            "(keys <name>.c_0 ... c_4); config and tokenizer come from --model, whose "
+                            "weights are not downloaded")
+
+
+def weights_source(args: argparse.Namespace) -> str:
+    """resolve()'s `weights` argument: a reference checkpoint brings the weights itself."""
+    if not args.macko_reference:
+        return args.weights
+    if args.weights == "random":
+        raise MinferError("--macko-reference loads the weights from its file: drop --weights random")
+    return "none"
+
+
+def check(args: argparse.Namespace, resolved) -> None:
+    """Refuse, before loading anything, flags that would be ignored or do something else than asked."""
+    from ..formats import format_class
+    from .compressed import is_compressed
+
+    calib_flags = [flag for flag, value in (("--calib-text", args.calib_text), ("--calib-samples", args.calib_samples),
+                                            ("--calib-seq-len", args.calib_seq_len)) if value is not None]
+    if args.density is None and (args.prune or calib_flags):
+        raise MinferError(f"{(['--prune'] if args.prune else calib_flags)[0]} sets how --density prunes; "
+                          "pass --density D too (e.g. --density 0.5)")
+    if args.density is not None:
+        keep_per_row(1, args.density)  # raises on a density outside (0, 1]
+    if calib_flags and args.prune != "wanda":
+        raise MinferError(f"{calib_flags[0]} sets wanda's calibration; add --prune wanda")
+    if args.macko_reference and not Path(args.macko_reference).is_file():
+        raise MinferError(f"--macko-reference {args.macko_reference} does not exist")
+    compressed = args.macko_reference or (resolved.path is not None and is_compressed(resolved.path))
+    if args.density is not None and compressed:
+        raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
+                          "weights: start from the dense checkpoint")
+    if args.density is None and resolved.is_random and format_class(args.sparse).name != "dense":
+        raise MinferError(f"random weights have no zeros: --sparse {args.sparse} alone would store every weight "
+                          "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
+    seq_len = args.calib_seq_len or CALIB_SEQ_LEN
+    if args.prune == "wanda" and seq_len > resolved.config.max_position_embeddings:
+        raise MinferError(f"--calib-seq-len {seq_len} exceeds the {resolved.config.max_position_embeddings} "
+                          "positions this model supports; pass a smaller --calib-seq-len")
+    if args.save_compressed and Path(args.save_compressed).is_file():
+        raise MinferError(f"--save-compressed {args.save_compressed} is a file; pass a folder to write the model into")
+
+
+def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) -> int | None:
+    """The loaded weights' bytes when they are compressed (for the memory check), else None: dense."""
+    from .compressed import is_compressed
+    from .compressed import stored_weight_bytes as file_weight_bytes
+
+    if args.macko_reference:
+        return file_weight_bytes(args.macko_reference, dtype)
+    if resolved.path is not None and is_compressed(resolved.path):
+        return file_weight_bytes(resolved.path, dtype)
+    return None
 
 
 def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argparse.Namespace,
                seed: int = 0) -> nn.Module:
-    """The model `resolved` names (compressed folders included), or one filled from --macko-reference."""
+    """The model `resolved` names (compressed folders included), or one filled from --macko-reference,
+    with progress bars."""
     from ..checkpoint import load_model as load_checkpoint
     from ..model import Transformer
     from .compressed import load_reference_macko
 
     if args.macko_reference:
-        path = Path(args.macko_reference)
-        if not path.is_file():
-            raise MinferError(f"--macko-reference {path} does not exist")
-        return load_reference_macko(Transformer(resolved.config), path, dtype, device)
-    return load_checkpoint(resolved, dtype, device, seed=seed)
+        return load_reference_macko(Transformer(resolved.config), Path(args.macko_reference), dtype, device,
+                                    progress=True)
+    return load_checkpoint(resolved, dtype, device, seed=seed, progress=True)
 
 
 def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path: Path | None,
-          note: Callable[[str], None]) -> None:
-    """Prune (--density, --prune), convert to --sparse, report, and save (--save-compressed)."""
+          note: Callable[[str], None]) -> list[BlockReport] | None:
+    """Prune (--density, --prune), convert to --sparse, report, and save (--save-compressed).
+    Returns the per-block report when the projections are pruned or stored sparse."""
     from ..formats import convert, format_class
 
     cls = format_class(args.sparse)
     if args.density is not None:
+        method = args.prune or "magnitude"
         calibration = None
-        if args.prune == "wanda":
-            calibration = calibration_tokens(tokenizer, args.calib_samples, args.calib_seq_len, args.calib_text)
-        note(f"pruning the projections to density {args.density} ({args.prune})")
-        prune_model_(model, args.density, args.prune, calibration)
+        if method == "wanda":
+            calibration = calibration_tokens(tokenizer, args.calib_samples or CALIB_SAMPLES,
+                                             args.calib_seq_len or CALIB_SEQ_LEN, args.calib_text)
+        note(f"pruning the projections to density {args.density} ({method})")
+        prune_model_(model, args.density, method, calibration)
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format
     converted = cls.name != "dense" and any(not isinstance(linear.fmt, cls) for _, linear in model.projections())
     if converted:
-        convert(model, args.sparse)
+        convert(model, args.sparse, progress=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the dense matrices' memory back
+    reports = None
     if args.density is not None or converted or any(linear.fmt.name != "dense" for _, linear in model.projections()):
-        note(format_report(block_reports(model), model))
+        reports = block_reports(model)
+        note(format_report(reports, model))
     if args.save_compressed:
         from .compressed import save_compressed
 
-        folder = save_compressed(model, args.save_compressed, tokenizer_path)
+        folder = save_compressed(model, args.save_compressed, tokenizer_path, progress=True)
         note(f"saved the compressed model to {folder}; run it with --model {folder}")
+    return reports

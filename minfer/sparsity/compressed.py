@@ -16,12 +16,14 @@ containers. A safetensors file with the same keys works too.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
 from ..formats import FORMATS, DenseWeight, MackoWeight
@@ -31,16 +33,25 @@ METADATA_KEY = "minfer_formats"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None) -> Path:
-    """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder."""
+def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None,
+                    progress: bool = False) -> Path:
+    """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder.
+    The weights go to a temporary file first, renamed when complete: an interrupted save leaves no
+    truncated model.safetensors behind (nor replaces an earlier complete one)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"--save-compressed {folder} is a file; pass a folder to write the model into")
     folder.mkdir(parents=True, exist_ok=True)
     layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)}
               for name, linear in model.projections()}
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.checkpoint_tensors().items()}
-    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
+    source = model.checkpoint_tensors()
+    tensors = {name: t.detach().to("cpu").contiguous()
+               for name, t in tqdm(source.items(), desc="copying to host", unit="tensor", disable=not progress)}
+    partial = folder / (WEIGHTS_FILE + ".partial")
+    save_file(tensors, partial, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
+    partial.replace(folder / WEIGHTS_FILE)
     (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
     if tokenizer_path is not None:
         shutil.copyfile(tokenizer_path, folder / Path(tokenizer_path).name)
@@ -67,7 +78,7 @@ def is_compressed(folder: str | Path) -> bool:
 
 
 def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str], where: str,
-          dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+          dtype: torch.dtype, device: torch.device | str, progress: bool = False) -> nn.Module:
     """Swap in `formats` (built on meta), allocate the model once, then copy every tensor from
     `read(name)`; `names` must be exactly the tensors the model holds."""
     for name, linear in model.projections():
@@ -80,7 +91,7 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
         what = f"lacks {missing[0]}" if missing else f"has unexpected {unexpected[0]}"
         raise CheckpointError(f"{where} {what}; was it written for this model's config?")
     with torch.no_grad():
-        for name, target in targets.items():
+        for name, target in tqdm(targets.items(), desc="loading", unit="tensor", disable=not progress):
             source = read(name)
             if tuple(source.shape) != tuple(target.shape):
                 raise CheckpointError(f"tensor {name} in {where} has shape {tuple(source.shape)}, "
@@ -89,7 +100,8 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
     return model
 
 
-def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, device: torch.device | str,
+                    progress: bool = False) -> nn.Module:
     """Fill a meta-built Transformer from a folder written by `save_compressed`."""
     from safetensors import safe_open
 
@@ -117,7 +129,7 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
             elif entry["format"] != DenseWeight.name:
                 known = ", ".join(sorted(FORMATS))
                 raise CheckpointError(f"{name} in {file} uses format {entry['format']!r}; loadable: {known}")
-        return _fill(model, formats, f.get_tensor, set(f.keys()), str(file), dtype, device)
+        return _fill(model, formats, f.get_tensor, set(f.keys()), str(file), dtype, device, progress)
 
 
 def _reference_tensors(file: Path) -> dict[str, torch.Tensor | int]:
@@ -139,7 +151,7 @@ def _reference_tensors(file: Path) -> dict[str, torch.Tensor | int]:
 
 
 def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
-                         device: torch.device | str) -> nn.Module:
+                         device: torch.device | str, progress: bool = False) -> nn.Module:
     """Fill a meta-built Transformer from the reference tool's compressed checkpoint: its q/k/v and
     gate/up matrices are stacked into minfer's fused projections (concatenating MACKO rows equals
     compressing the stacked matrix), everything else is copied by HF name."""
@@ -178,4 +190,31 @@ def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
         fmt_name, buffer = name.rsplit(".", 1)
         return fused[fmt_name][("values", "deltas", "row_ptr").index(buffer)]
 
-    return _fill(model, formats, read, names | set(dense), str(file), dtype, device)
+    return _fill(model, formats, read, names | set(dense), str(file), dtype, device, progress)
+
+
+# Bytes per element of safetensors' non-float dtypes (floats are counted at the loading dtype).
+_STORED_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8}
+
+
+def stored_weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
+    """What the weights in `path` (a compressed folder, or a reference checkpoint file) take once
+    loaded in `dtype`: float tensors at dtype's size, the rest (deltas, row_ptr) as stored. Read
+    from the safetensors header; a torch.save file is not opened: its size stands in, scaled for a
+    dtype wider than its fp16 values."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    file = path / WEIGHTS_FILE if path.is_dir() else path
+    if file.suffix != ".safetensors":
+        return math.ceil(file.stat().st_size * max(1.0, dtype.itemsize / 2))
+    total = 0
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                stored = tensor.get_dtype()
+                total += math.prod(tensor.get_shape()) * _STORED_BYTES.get(stored, dtype.itemsize)
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
+    return total

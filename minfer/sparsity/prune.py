@@ -53,7 +53,8 @@ def _dense_weight(linear: nn.Module, name: str) -> torch.Tensor:
     from ..formats import DenseWeight
 
     if not isinstance(linear.fmt, DenseWeight):
-        raise MinferError(f"{name} is already stored as {linear.fmt.name}; prune before converting the format")
+        raise MinferError(f"{name} is already stored as {linear.fmt.name}: pruning works on dense weights, so "
+                          "start from the dense checkpoint (a compressed model is pruned already)")
     return linear.fmt.weight
 
 

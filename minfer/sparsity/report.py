@@ -65,3 +65,17 @@ def format_report(reports: list[BlockReport], model: nn.Module | None = None) ->
         lines.append(f"model weights read per token: {(after - stored + dense) / 1e9:.3f} GB dense -> "
                      f"{after / 1e9:.3f} GB")
     return "\n".join(lines)
+
+
+def report_summary(reports: list[BlockReport]) -> dict:
+    """The report as plain data (generate.py --json): overall and per-block density and bytes."""
+    dense = sum(r.dense_bytes for r in reports)
+    stored = sum(r.stored_bytes for r in reports)
+    return {
+        "density": sum(r.nonzeros for r in reports) / max(sum(r.elements for r in reports), 1),
+        "projection_bytes_dense": dense,
+        "projection_bytes_stored": stored,
+        "block_density": [r.density for r in reports],
+        "rows_larger_than_dense": sum(r.rows_larger_than_dense for r in reports),
+        "matrices_larger_than_dense": sum(r.matrices_larger_than_dense for r in reports),
+    }
