@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minfer import checkpoint, demo
-from minfer.checkpoint import hf_state_dict, load_weights, random_init, resolve, save_hf
+from minfer.checkpoint import hf_state_dict, load_model, load_weights, random_init, resolve, save_hf
 from minfer.config import KNOWN_CONFIGS, ModelConfig
 from minfer.errors import CheckpointError, UnknownModelError
 from minfer.model import Transformer
@@ -171,6 +171,22 @@ def test_resolve_local_folder(tmp_path):
     assert resolve(str(tmp_path), "random").tokenizer_path == bundled_tokenizer_path()
     with pytest.raises(CheckpointError, match="neither tokenizer.model nor tokenizer.json"):
         resolve(str(tmp_path), "hf")
+
+
+def test_resolve_without_weights_takes_config_and_tokenizer_only(tmp_path):
+    """weights="none" (the weights come from another file): no safetensors needed, not random."""
+    config = tiny_config()
+    write_checkpoint(tmp_path, config, random_state(config))
+    for weights in tmp_path.glob("*.safetensors*"):
+        weights.unlink()
+    resolved = resolve(str(tmp_path), "none")
+    assert (resolved.config, resolved.path, resolved.is_random) == (config, None, False)
+    assert resolved.tokenizer_path == tmp_path / "tokenizer.model"
+    with pytest.raises(CheckpointError, match="resolved without weights"):
+        load_model(resolved, torch.float32, "cpu")
+    (tmp_path / "tokenizer.model").unlink()
+    with pytest.raises(CheckpointError, match="neither tokenizer.model nor tokenizer.json"):
+        resolve(str(tmp_path), "none")
 
 
 def test_resolve_refuses_unknown_names_and_paths(tmp_path):

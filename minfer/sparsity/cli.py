@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calib-seq-len", type=int, default=None, metavar="L",
                        help=f"tokens per wanda sample (default: {CALIB_SEQ_LEN})")
     group.add_argument("--save-compressed", default=None, metavar="DIR",
-                       help="write the pruned, converted model to DIR; later runs load it with --model DIR")
+                       help="write the pruned, converted model to DIR (values in the run's --dtype: float16 on "
+                            "a GPU, float32 on the CPU unless --dtype says otherwise); later runs load it with "
+                            "--model DIR")
     group.add_argument("--macko-reference", default=None, metavar="FILE",
                        help="load the projections from a checkpoint of macko_spmv's compression script "
                             "(keys <name>.c_0 ... c_4); config and tokenizer come from --model, whose "
