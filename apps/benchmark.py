@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="e2e: where minfer keeps the token embedding (default host: pinned memory, one row "
                              "read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of speedups and bandwidth")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="write a PNG of speedups and bandwidth (kernels, e2e and macko-e2e suites)")
     return parser
 
 

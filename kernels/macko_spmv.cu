@@ -741,9 +741,13 @@ BalancedGrid balanced_grid(Kernel kernel, int rows, int max_warps, int smem_byte
 }
 
 // The one-token kernel's dynamic shared memory: x as fp32, then (with the norm) its per-vector sums of x^2.
-int64_t one_token_smem_bytes(int64_t cols, bool norm) {
+constexpr int64_t one_token_smem_bytes(int64_t cols, bool norm) {
     return (cols + (norm ? (cols + 7) / 8 : 0)) * (int64_t)sizeof(float);
 }
+// The binding lets a norm or silu_mul through for up to kMackoFusedMaxCols columns; that many must stage
+// on every GPU the kernels build for (sm_80 and later opt into at least 99 KB), or the fusion would be lost.
+static_assert(one_token_smem_bytes(kMackoFusedMaxCols, true) <= 99 * 1024,
+              "the fused one-token kernel's x and sums must fit the smallest opt-in shared memory");
 
 template <typename T, int TT, int STEPS, bool X_IN_SMEM, bool PIPELINE = true>
 void launch_spmv_typed(const void* values, const uint8_t* deltas, const int32_t* row_ptr, const void* x, void* out,

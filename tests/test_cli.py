@@ -137,6 +137,10 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--sparse", "macko", "--density", "1.5"], ["density must be in (0, 1]"]),
     (["--sparse", "macko", "--density", "0.5", "--save-compressed", str(APP)], ["--save-compressed", "is a file"]),
     (["--macko-reference", "/no/such/file"], ["--macko-reference /no/such/file does not exist"]),
+    (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-samples", "0"],
+     ["--calib-samples must be at least 1"]),
+    (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-text", "/no/such.txt"],
+     ["--calib-text /no/such.txt does not exist"]),
     (["--macko-reference", str(APP), "--weights", "random"], ["drop --weights random"]),
 ])
 def test_bad_flag_values_in_process(capsys, args, fragments):
@@ -277,6 +281,11 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
     assert again["random_weights"] is False and "loading" in again["stderr"]
     assert_input_error(cli("--device", "cpu", "--model", str(folder), "--density", "0.3"),
                        "pruned already", "dense checkpoint")
+    for source, flags in ((folder, ()), (local_checkpoint, ("--sparse", "macko", "--density", "0.5"))):
+        files = {path: path.stat().st_mtime_ns for path in source.iterdir()}
+        assert_input_error(cli("--device", "cpu", "--model", str(source), *flags, "--save-compressed", str(source)),
+                           "is the folder the weights are read from")
+        assert {path: path.stat().st_mtime_ns for path in source.iterdir()} == files  # nothing written
 
 
 def test_wanda_from_the_command_line(local_checkpoint):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import MinferError
-from .prune import METHODS, calibration_tokens, keep_per_row, prune_model_
+from .prune import METHODS, calibration_tokens, check_density, prune_model_
 from .report import BlockReport, block_reports, format_report
 
 CALIB_SAMPLES = 16
@@ -62,11 +62,15 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"{(['--prune'] if args.prune else calib_flags)[0]} sets how --density prunes; "
                           "pass --density D too (e.g. --density 0.5)")
     if args.density is not None:
-        keep_per_row(1, args.density)  # raises on a density outside (0, 1]
+        check_density(args.density)
     if calib_flags and args.prune != "wanda":
         raise MinferError(f"{calib_flags[0]} sets wanda's calibration; add --prune wanda")
-    if args.macko_reference and not Path(args.macko_reference).is_file():
-        raise MinferError(f"--macko-reference {args.macko_reference} does not exist")
+    for flag, value in (("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):
+        if value is not None and value < 1:
+            raise MinferError(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--macko-reference", args.macko_reference), ("--calib-text", args.calib_text)):
+        if value and not Path(value).is_file():
+            raise MinferError(f"{flag} {value} does not exist")
     compressed = args.macko_reference or (resolved.path is not None and is_compressed(resolved.path))
     if args.density is not None and compressed:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
@@ -74,12 +78,19 @@ def check(args: argparse.Namespace, resolved) -> None:
     if args.density is None and resolved.is_random and format_class(args.sparse).name != "dense":
         raise MinferError(f"random weights have no zeros: --sparse {args.sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
-    seq_len = args.calib_seq_len or CALIB_SEQ_LEN
+    seq_len = CALIB_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len
     if args.prune == "wanda" and seq_len > resolved.config.max_position_embeddings:
         raise MinferError(f"--calib-seq-len {seq_len} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
-    if args.save_compressed and Path(args.save_compressed).is_file():
-        raise MinferError(f"--save-compressed {args.save_compressed} is a file; pass a folder to write the model into")
+    if args.save_compressed:
+        target = Path(args.save_compressed)
+        if target.is_file():
+            raise MinferError(f"--save-compressed {target} is a file; pass a folder to write the model into")
+        sources = [Path(args.macko_reference).parent] if args.macko_reference else []
+        sources += [resolved.path] if resolved.path is not None else []
+        if target.is_dir() and any(target.samefile(source) for source in sources):
+            raise MinferError(f"--save-compressed {target} is the folder the weights are read from; "
+                              "pass a new folder")
 
 
 def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) -> int | None:
@@ -119,8 +130,9 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
         method = args.prune or "magnitude"
         calibration = None
         if method == "wanda":
-            calibration = calibration_tokens(tokenizer, args.calib_samples or CALIB_SAMPLES,
-                                             args.calib_seq_len or CALIB_SEQ_LEN, args.calib_text)
+            calibration = calibration_tokens(
+                tokenizer, CALIB_SAMPLES if args.calib_samples is None else args.calib_samples,
+                CALIB_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len, args.calib_text)
         note(f"pruning the projections to density {args.density} ({method})")
         prune_model_(model, args.density, method, calibration)
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format

@@ -36,25 +36,34 @@ WEIGHTS_FILE = "model.safetensors"
 def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None,
                     progress: bool = False) -> Path:
     """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder.
-    The weights go to a temporary file first, renamed when complete: an interrupted save leaves no
-    truncated model.safetensors behind (nor replaces an earlier complete one)."""
+    Config and tokenizer are written first and the weights last, through a temporary file renamed
+    when complete: an interrupted save leaves no truncated model.safetensors (nor replaces an
+    earlier complete one), and no weights beside another model's config."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"--save-compressed {folder} is a file; pass a folder to write the model into")
+        raise CheckpointError(f"{folder} is a file; pass a folder to write the model into")
     folder.mkdir(parents=True, exist_ok=True)
     layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)}
               for name, linear in model.projections()}
+    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+    if tokenizer_path is not None:
+        target = folder / Path(tokenizer_path).name
+        if not (target.exists() and target.samefile(tokenizer_path)):
+            for stale in ("tokenizer.model", "tokenizer.json"):  # a leftover one would be found first
+                (folder / stale).unlink(missing_ok=True)
+            shutil.copyfile(tokenizer_path, target)
     source = model.checkpoint_tensors()
     tensors = {name: t.detach().to("cpu").contiguous()
                for name, t in tqdm(source.items(), desc="copying to host", unit="tensor", disable=not progress)}
     partial = folder / (WEIGHTS_FILE + ".partial")
-    save_file(tensors, partial, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
+    try:
+        save_file(tensors, partial, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(folder / WEIGHTS_FILE)
-    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
-    if tokenizer_path is not None:
-        shutil.copyfile(tokenizer_path, folder / Path(tokenizer_path).name)
     return folder
 
 

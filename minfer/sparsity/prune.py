@@ -24,9 +24,13 @@ from ..errors import MinferError
 METHODS = ("magnitude", "wanda")
 
 
-def keep_per_row(cols: int, density: float) -> int:
+def check_density(density: float) -> None:
     if not 0.0 < density <= 1.0:
         raise MinferError(f"density must be in (0, 1], got {density}; e.g. --density 0.5 keeps half the weights")
+
+
+def keep_per_row(cols: int, density: float) -> int:
+    check_density(density)
     return round(density * cols)
 
 
@@ -68,7 +72,7 @@ def prune_model_(model: nn.Module, density: float, method: str = "magnitude",
     """
     if method not in METHODS:
         raise MinferError(f"unknown pruning method {method!r}; choose one of: {', '.join(METHODS)}")
-    keep_per_row(1, density)  # validate before any work
+    check_density(density)  # before any work
     if method == "magnitude":
         for name, linear in tqdm(list(model.projections()), desc="magnitude pruning", disable=not progress):
             prune_magnitude_(_dense_weight(linear, name), density)
