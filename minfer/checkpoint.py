@@ -140,7 +140,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return files
     single = folder / SINGLE_FILE
     if single.is_file():
-        with _open(single) as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}; minfer loads safetensors only "
                           "(never pickle .bin files)")
@@ -232,7 +232,7 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
     _refuse_difference(folder, "has unexpected", sorted(present - set(layout)))
 
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(_open(file)) for file in sorted({files[n] for n in layout})}
+        handles = {file: stack.enter_context(open_safetensors(file)) for file in sorted({files[n] for n in layout})}
         for name, (_, _, shape) in layout.items():
             stored = tuple(handles[files[name]].get_slice(name).get_shape())
             if stored != shape:
@@ -314,9 +314,10 @@ def save_hf(model_or_state: nn.Module | dict[str, torch.Tensor], path: str | Pat
     return folder
 
 
-def _open(file: Path):
-    """safe_open, with truncated or corrupt files reported as a CheckpointError naming the file."""
+def open_safetensors(file: Path):
+    """safe_open on the CPU, with truncated or corrupt files reported as a CheckpointError naming the file."""
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own SafetensorError for bad headers
-        raise CheckpointError(f"{file} is truncated or corrupt ({e}); delete it and download again") from None
+        raise CheckpointError(f"{file} is truncated or corrupt ({e}); delete it and download or write it "
+                              "again") from None

@@ -68,16 +68,13 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
 
 
 def _layout(folder: Path) -> dict | None:
-    from safetensors import safe_open
+    from ..checkpoint import open_safetensors
 
     file = folder / WEIGHTS_FILE
     if not file.is_file():
         return None
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-    except Exception as e:  # safetensors raises its own error type for bad headers
-        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
+    with open_safetensors(file) as f:
+        metadata = f.metadata() or {}
     return json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
 
 
@@ -112,7 +109,7 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
 def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                     progress: bool = False) -> nn.Module:
     """Fill a meta-built Transformer from a folder written by `save_compressed`."""
-    from safetensors import safe_open
+    from ..checkpoint import open_safetensors
 
     folder = Path(folder)
     layout = _layout(folder)
@@ -120,7 +117,7 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
         raise CheckpointError(f"{folder} is not a minfer compressed checkpoint (no {METADATA_KEY} metadata)")
     file = folder / WEIGHTS_FILE
     with ExitStack() as stack:
-        f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        f = stack.enter_context(open_safetensors(file))
         formats = {}
         for name, linear in model.projections():
             entry = layout.get(name)
@@ -211,19 +208,15 @@ def stored_weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
     loaded in `dtype`: float tensors at dtype's size, the rest (deltas, row_ptr) as stored. Read
     from the safetensors header; a torch.save file is not opened: its size stands in, scaled for a
     dtype wider than its fp16 values."""
-    from safetensors import safe_open
+    from ..checkpoint import open_safetensors
 
     path = Path(path)
     file = path / WEIGHTS_FILE if path.is_dir() else path
     if file.suffix != ".safetensors":
         return math.ceil(file.stat().st_size * max(1.0, dtype.itemsize / 2))
     total = 0
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensor = f.get_slice(name)
-                stored = tensor.get_dtype()
-                total += math.prod(tensor.get_shape()) * _STORED_BYTES.get(stored, dtype.itemsize)
-    except Exception as e:  # safetensors raises its own error type for bad headers
-        raise CheckpointError(f"{file} is truncated or corrupt ({e})") from None
+    with open_safetensors(file) as f:
+        for name in f.keys():
+            tensor = f.get_slice(name)
+            total += math.prod(tensor.get_shape()) * _STORED_BYTES.get(tensor.get_dtype(), dtype.itemsize)
     return total

@@ -55,11 +55,10 @@ def format_report(reports: list[BlockReport], model: nn.Module | None = None) ->
             if r.rows_larger_than_dense or r.matrices_larger_than_dense else "-"
         lines.append(f"{r.block:>5}  {r.density:>7.3f}  {r.dense_bytes / 1e6:>9.1f}  {r.stored_bytes / 1e6:>9.1f}  "
                      f"{r.stored_bytes / max(r.dense_bytes, 1):>6.3f}  {larger}")
-    dense = sum(r.dense_bytes for r in reports)
-    stored = sum(r.stored_bytes for r in reports)
-    density = sum(r.nonzeros for r in reports) / max(sum(r.elements for r in reports), 1)
-    lines.append(f"projections: density {density:.3f}, {dense / 1e9:.3f} GB dense -> {stored / 1e9:.3f} GB stored "
-                 f"({stored / max(dense, 1):.3f}x)")
+    totals = report_summary(reports)
+    dense, stored = totals["projection_bytes_dense"], totals["projection_bytes_stored"]
+    lines.append(f"projections: density {totals['density']:.3f}, {dense / 1e9:.3f} GB dense -> "
+                 f"{stored / 1e9:.3f} GB stored ({stored / max(dense, 1):.3f}x)")
     if model is not None:
         after = model.decode_weight_bytes()
         lines.append(f"model weights read per token: {(after - stored + dense) / 1e9:.3f} GB dense -> "
