@@ -274,7 +274,7 @@ __device__ __forceinline__ float value_at(const uint4& v, int j) {
 // x) and summed in a fixed order after the staging barrier (vector_squares_total): the norm's scale
 // then does not depend on the block size, so launches of different shapes (the fused silu's pair
 // walk, the plain SpMV) agree bit for bit.
-__device__ __forceinline__ int vector_count(int cols) { return (cols + 7) / 8; }
+__host__ __device__ constexpr int vector_count(int cols) { return (cols + 7) / 8; }
 
 // Every warp computes it: lane l adds vectors l, l + 32, ... in order, then a warp sum.
 __device__ __forceinline__ float vector_squares_total(const float* vector_squares, int cols) {
@@ -741,8 +741,8 @@ BalancedGrid balanced_grid(Kernel kernel, int rows, int max_warps, int smem_byte
 }
 
 // The one-token kernel's dynamic shared memory: x as fp32, then (with the norm) its per-vector sums of x^2.
-constexpr int64_t one_token_smem_bytes(int64_t cols, bool norm) {
-    return (cols + (norm ? (cols + 7) / 8 : 0)) * (int64_t)sizeof(float);
+constexpr int64_t one_token_smem_bytes(int cols, bool norm) {
+    return (cols + (norm ? vector_count(cols) : 0)) * (int64_t)sizeof(float);
 }
 // The binding lets a norm or silu_mul through for up to kMackoFusedMaxCols columns; that many must stage
 // on every GPU the kernels build for (sm_80 and later opt into at least 99 KB), or the fusion would be lost.
