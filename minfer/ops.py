@@ -27,7 +27,7 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 EXTENSION_NAME = "minfer_kernels"
 BACKENDS = ("minfer", "torch")
 
-_state = {"loaded": None, "backend": os.environ.get("MINFER_BACKEND", "minfer")}  # loaded: the build folder
+_state = {"build_folder": None, "backend": os.environ.get("MINFER_BACKEND", "minfer")}  # build_folder: set once loaded
 _fake_impls: dict[str, object] = {}
 
 
@@ -84,8 +84,8 @@ def _ensure_cuda_home() -> None:
 
 def build(verbose: bool = False) -> Path:
     """Compile (or reuse) the extension and register torch.ops.minfer; returns the build folder."""
-    if _state["loaded"] is not None:
-        return _state["loaded"]
+    if _state["build_folder"] is not None:
+        return _state["build_folder"]
     _ensure_cuda_home()
     from torch.utils import cpp_extension
 
@@ -118,7 +118,7 @@ def build(verbose: bool = False) -> Path:
     log.unlink(missing_ok=True)
     for qualname, fn in _fake_impls.items():
         torch.library.register_fake(qualname, fn)
-    _state["loaded"] = out
+    _state["build_folder"] = out
     return out
 
 
@@ -137,7 +137,7 @@ def use_kernels(t: torch.Tensor) -> bool:
     """True when `t` is on a GPU and the minfer backend is active (builds the extension on first use)."""
     if not t.is_cuda or _state["backend"] != "minfer":
         return False
-    if _state["loaded"] is None:  # checked here: the wrappers call this once per op, prefill ~600 times
+    if _state["build_folder"] is None:  # checked here: the wrappers call this once per op, prefill ~600 times
         build()
     return True
 
