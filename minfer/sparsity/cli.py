@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "weights are not downloaded")
 
 
+def calibration_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """Wanda's calibration samples and tokens per sample: the flags, or their defaults."""
+    return (CALIB_SAMPLES if args.calib_samples is None else args.calib_samples,
+            CALIB_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len)
+
+
 def weights_source(args: argparse.Namespace) -> str:
     """resolve()'s `weights` argument: a reference checkpoint brings the weights itself."""
     if not args.macko_reference:
@@ -51,10 +57,21 @@ def weights_source(args: argparse.Namespace) -> str:
     return "none"
 
 
+def compressed_source(args: argparse.Namespace, resolved) -> str | Path | None:
+    """Where compressed weights load from (--macko-reference, or a --model folder written by
+    --save-compressed), or None when the weights are dense."""
+    from .compressed import is_compressed
+
+    if args.macko_reference:
+        return args.macko_reference
+    if resolved.path is not None and is_compressed(resolved.path):
+        return resolved.path
+    return None
+
+
 def check(args: argparse.Namespace, resolved) -> None:
     """Refuse, before loading anything, flags that would be ignored or do something else than asked."""
     from ..formats import format_class
-    from .compressed import is_compressed
 
     calib_flags = [flag for flag, value in (("--calib-text", args.calib_text), ("--calib-samples", args.calib_samples),
                                             ("--calib-seq-len", args.calib_seq_len)) if value is not None]
@@ -71,14 +88,13 @@ def check(args: argparse.Namespace, resolved) -> None:
     for flag, value in (("--macko-reference", args.macko_reference), ("--calib-text", args.calib_text)):
         if value and not Path(value).is_file():
             raise MinferError(f"{flag} {value} does not exist")
-    compressed = args.macko_reference or (resolved.path is not None and is_compressed(resolved.path))
-    if args.density is not None and compressed:
+    if args.density is not None and compressed_source(args, resolved) is not None:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
                           "weights: start from the dense checkpoint")
     if args.density is None and resolved.is_random and format_class(args.sparse).name != "dense":
         raise MinferError(f"random weights have no zeros: --sparse {args.sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
-    seq_len = CALIB_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len
+    _, seq_len = calibration_shape(args)
     if args.prune == "wanda" and seq_len > resolved.config.max_position_embeddings:
         raise MinferError(f"--calib-seq-len {seq_len} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
@@ -95,14 +111,10 @@ def check(args: argparse.Namespace, resolved) -> None:
 
 def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) -> int | None:
     """The loaded weights' bytes when they are compressed (for the memory check), else None: dense."""
-    from .compressed import is_compressed
     from .compressed import stored_weight_bytes as file_weight_bytes
 
-    if args.macko_reference:
-        return file_weight_bytes(args.macko_reference, dtype)
-    if resolved.path is not None and is_compressed(resolved.path):
-        return file_weight_bytes(resolved.path, dtype)
-    return None
+    source = compressed_source(args, resolved)
+    return None if source is None else file_weight_bytes(source, dtype)
 
 
 def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argparse.Namespace,
@@ -130,9 +142,7 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
         method = args.prune or "magnitude"
         calibration = None
         if method == "wanda":
-            calibration = calibration_tokens(
-                tokenizer, CALIB_SAMPLES if args.calib_samples is None else args.calib_samples,
-                CALIB_SEQ_LEN if args.calib_seq_len is None else args.calib_seq_len, args.calib_text)
+            calibration = calibration_tokens(tokenizer, *calibration_shape(args), args.calib_text)
         note(f"pruning the projections to density {args.density} ({method})")
         prune_model_(model, args.density, method, calibration)
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format
