@@ -40,6 +40,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 300 python3 apps/benchmark.py --suite all --json "$OUT/benchmark.json" --plot "$OUT/benchmark.png" \
         > "$OUT/benchmark.txt" 2>&1
     note "benchmark: exit $?"
+    # issue #4's kernel table: SpMV against cuBLAS, torch CSR and the reference kernel's schedule, SpMM, decompression
+    timeout 200 python3 apps/benchmark.py --suite macko --densities 0.1,0.3,0.5,0.7 --json "$OUT/macko.json" \
+        > "$OUT/macko.txt" 2>&1
+    note "benchmark --suite macko: exit $?"
     for sparse in none macko; do
         timeout 120 python3 apps/generate.py --model llama2-7b --weights random --device cuda --dtype float16 \
             --max-new-tokens 256 --sparse "$sparse" $([ "$sparse" = macko ] && echo --density 0.5) \
@@ -47,5 +51,6 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         note "generate --sparse $sparse: exit $? | $(grep -E 'tok/s' "$OUT/generate-$sparse.txt" | tail -n 1)"
     done
     sed -n '/kernels (/,$p' "$OUT/benchmark.txt" | grep -E "end to end|MACKO end|llama2-7b" || true
+    sed -n '/MACKO spmv/,/MACKO spmm/p' "$OUT/macko.txt" | grep -E "MACKO spmv|shape|0\.5 " || true
 fi
 printf '%s\n' "---- summary" "${summary[@]}"
