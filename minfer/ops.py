@@ -84,7 +84,7 @@ def _ensure_cuda_home() -> None:
 
 def build(verbose: bool = False) -> Path:
     """Compile (or reuse) the extension and register torch.ops.minfer; returns the build folder."""
-    if _state["build_folder"] is not None:
+    if _state["build_folder"] is not None:  # every op wrapper gets here (use_kernels): ~600 times a prefill
         return _state["build_folder"]
     _ensure_cuda_home()
     from torch.utils import cpp_extension
@@ -137,8 +137,7 @@ def use_kernels(t: torch.Tensor) -> bool:
     """True when `t` is on a GPU and the minfer backend is active (builds the extension on first use)."""
     if not t.is_cuda or _state["backend"] != "minfer":
         return False
-    if _state["build_folder"] is None:  # checked here: the wrappers call this once per op, prefill ~600 times
-        build()
+    build()
     return True
 
 
