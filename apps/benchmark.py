@@ -12,8 +12,9 @@ Kernels run back to back inside a CUDA graph over input copies rotated past L2 (
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
 suite times a random-weight model at batch 1 with minfer's kernels and with the plain-torch backend;
 the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, and reports decode
-speed and peak memory against dense (its plot goes next to --plot, suffixed -macko-e2e). The macko
-suite is the MACKO kernel study of minfer.bench.macko_suite without its launch sweep.
+speed and peak memory against dense (beside other suites its plot goes next to --plot, suffixed
+-macko-e2e). The macko suite is the MACKO kernel study of minfer.bench.macko_suite without its
+launch sweep.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
-from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list  # noqa: E402
+from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
@@ -48,10 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only the kernel cases with these shape labels (e.g. 4096x11008); macko: the matrix "
                              "shapes (default: Llama-2-7B's five)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
-    parser.add_argument("--reps", type=int, default=20, help="timed graph replays per case (median; default 20)")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed graph replays per case (median; default 20)")
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
-    parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=512, help="e2e prompt length (default 512)")
+    parser.add_argument("--new-tokens", type=positive_int, default=256, help="e2e decoded tokens (default 256)")
     parser.add_argument("--densities", type=density_list, default=None, metavar="D,...",
                         help="macko-e2e: densities, 1.0 meaning dense (default: "
                              f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)}); macko: the pruning "
@@ -65,7 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The suites each optional flag applies to; given with any other suite it would be ignored.
+FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
+               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "all")}
+
+
 def run(args: argparse.Namespace) -> int:
+    for name, suites in FLAG_SUITES.items():
+        if getattr(args, name) is not None and args.suite not in suites:
+            raise MinferError(f"--{name} does not apply to --suite {args.suite}; it is for --suite "
+                              f"{', '.join(suites)}")
     macko_shapes = macko_suite.LLAMA2_7B_SHAPES
     if args.suite == "macko" and args.shapes:
         try:
@@ -126,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     if args.plot and macko_rows:
         path = Path(args.plot)
-        path = path.with_name(f"{path.stem}-macko-e2e{path.suffix or '.png'}")
+        if kernel_rows or e2e_rows:  # that plot took the path itself
+            path = path.with_name(f"{path.stem}-macko-e2e{path.suffix or '.png'}")
         macko_suite.plot_e2e(str(path), macko_rows, f"{args.model}, random weights pruned by magnitude, batch 1, "
                                                     f"{env.get('device')}")
         print(f"wrote {path}")

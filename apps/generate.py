@@ -117,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
     dtype_name = str(dtype).removeprefix("torch.")
     params_count = config.param_count()
     size = f"{params_count / 1e9:.2f}B" if params_count >= 1e9 else f"{params_count / 1e6:.1f}M"
+    stored = sparsity_cli.compressed_source(args, resolved) is not None
     note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {device}, "
-         f"{'random' if resolved.is_random else 'checkpoint'} weights, sparse={args.sparse}")
+         f"{'random' if resolved.is_random else 'checkpoint'} weights, "
+         f"{'projections as stored compressed' if stored else f'sparse={args.sparse}'}")
     if resolved.is_random:
         what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
         note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "
@@ -136,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         result = generator.generate(prompt_ids, params, args.max_new_tokens)
         print(json.dumps({"model": resolved.name, "random_weights": resolved.is_random, "device": str(device),
-                          "dtype": dtype_name, "sparse": args.sparse,
+                          "dtype": dtype_name, "sparse": sparsity_cli.weight_formats(model),
                           "sparsity": None if sparsity is None else report_summary(sparsity), "prompt_ids": prompt_ids,
                           "generated_ids": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
         return 0

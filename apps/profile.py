@@ -25,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.bench import kernel_suite  # noqa: E402
+from minfer.bench.cases_macko import DENSITIES as MACKO_CASE_DENSITIES  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DECODE = "decode"
+DECODE_DENSITY = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=32, help="decode --timeline: traced steps (default 32)")
     parser.add_argument("--sparse", choices=("none", "macko"), default="none",
                         help="decode: weight format of the projections (default none)")
-    parser.add_argument("--density", type=float, default=0.5,
-                        help="decode --sparse macko: density after magnitude pruning (default 0.5)")
+    parser.add_argument("--density", type=float, default=None,
+                        help="decode --sparse macko: density after magnitude pruning (default 0.5); --op macko: "
+                             "only the cases of this density (one of "
+                             f"{', '.join(str(d) for d in MACKO_CASE_DENSITIES)})")
     return parser
 
 
@@ -67,6 +71,8 @@ class ProfiledRegion:
 def profile_kernels(args: argparse.Namespace) -> None:
     shapes = args.shapes.split(",") if args.shapes else None
     cases = kernel_suite.select([args.op], shapes, DTYPES[args.dtype])
+    if args.density is not None:  # --op macko (main checks)
+        cases = [case for case in cases if f" d{args.density} " in case.shape]
     prepared = []
     for case in cases:
         ours, baseline = case.build(1)
@@ -95,9 +101,10 @@ def decode_model(args: argparse.Namespace):
     model = build_model(args.model, DTYPES[args.dtype])
     if args.sparse != "macko":
         return model, "dense"
-    prune_model_(model, args.density, "magnitude", progress=False)
-    convert(model, "macko")
-    return model, f"macko d={args.density}"
+    density = DECODE_DENSITY if args.density is None else args.density
+    prune_model_(model, density, "magnitude")
+    convert(model, "macko", progress=True)
+    return model, f"macko d={density}"
 
 
 @torch.inference_mode()
@@ -138,8 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sparse sets the model's weight format: use it with --op decode")
     if args.steps < 2 or args.context < 1 or args.iters < 1:
         parser.error("--steps must be at least 2, --context and --iters at least 1")
-    if not 0.0 < args.density <= 1.0:
-        parser.error(f"--density must lie in (0, 1], got {args.density}")
+    if args.density is not None:
+        if args.op == "macko" and args.density not in MACKO_CASE_DENSITIES:
+            parser.error(f"--op macko has cases at densities {', '.join(str(d) for d in MACKO_CASE_DENSITIES)}, "
+                         f"not {args.density}")
+        if args.op not in ("macko", DECODE) or (args.op == DECODE and args.sparse != "macko"):
+            parser.error("--density picks the pruning of --op decode --sparse macko, or the cases of --op macko")
+        if not 0.0 < args.density <= 1.0:
+            parser.error(f"--density must lie in (0, 1], got {args.density}")
     try:
         if not torch.cuda.is_available():
             raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")

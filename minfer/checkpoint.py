@@ -72,6 +72,10 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
         folder = local
     elif model in ALIASES or _REPO_ID.match(model):
         folder = download(ALIASES.get(model, model), with_weights=weights == "hf")
+    elif local.is_file():
+        raise CheckpointError(f"{model} is a file, not a checkpoint folder; pass a folder holding config.json and "
+                              "*.safetensors (a macko_spmv compressed checkpoint file loads with --macko-reference "
+                              "FILE beside --model naming its dense model)")
     elif local.exists() or os.sep in model or model.startswith((".", "~")):
         raise CheckpointError(f"{model} is not a directory; pass a folder holding config.json and *.safetensors")
     else:

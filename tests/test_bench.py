@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minfer.bench import e2e_suite, kernel_suite, report
-from minfer.bench.arg_types import density_list, matrix_shape_list
+from minfer.bench.arg_types import density_list, matrix_shape_list, positive_int
 from minfer.errors import MinferError
 from tests.conftest import requires_cuda
 from tests.test_cli import load_app
@@ -62,6 +62,28 @@ def test_density_and_shape_arguments():
     for bad in ("4096", "0x8", "8x-1", "axb", ","):
         with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
             matrix_shape_list(bad)
+    assert positive_int("3") == 3
+    for bad, message in (("0", "at least 1"), ("-2", "at least 1"), ("2.5", "whole number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            positive_int(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "e2e", "--densities", "0.5"], "--densities does not apply to --suite e2e"),
+    (["--suite", "kernels", "--densities", "0.5"], "--densities does not apply to --suite kernels"),
+    (["--suite", "macko", "--plot", "out.png"], "--plot does not apply to --suite macko"),
+    (["--suite", "macko-e2e", "--shapes", "4096x4096"], "--shapes does not apply to --suite macko-e2e"),
+    (["--suite", "macko", "--ops", "gemv"], "--ops does not apply to --suite macko"),
+])
+def test_benchmark_app_refuses_flags_its_suite_would_ignore(argv, message, capsys):
+    assert load_app(BENCHMARK_APP).main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_benchmark_app_refuses_zero_replays(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_app(BENCHMARK_APP).main(["--reps", "0"])
+    assert exit_info.value.code == 2 and "--reps" in capsys.readouterr().err
 
 
 def test_benchmark_app_rejects_a_bad_macko_shape(capsys):
@@ -81,5 +103,6 @@ def test_benchmark_app_macko_suite_reports_every_baseline(tmp_path):
     assert spmv["shape"] == "96x200" and spmv["density"] == 0.5
     for key in ("minfer_ms", "cublas_ms", "csr_ms", "reference_ms", "ref_schedule_ms"):
         assert spmv[key] > 0, key
+    assert spmv["vs_reference"] == pytest.approx(spmv["reference_ms"] / spmv["minfer_ms"])
     assert [row["tokens"] for row in macko["spmm"]] == [2, 4, 8, 16]
     assert len(macko["decompress"]) == 1

@@ -194,6 +194,9 @@ def test_resolve_refuses_unknown_names_and_paths(tmp_path):
         resolve("llama9", "hf")
     with pytest.raises(CheckpointError, match="is not a directory"):
         resolve(str(tmp_path / "nowhere"), "hf")
+    (tmp_path / "llama_compressed").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder.*--macko-reference"):
+        resolve(str(tmp_path / "llama_compressed"), "hf")
     with pytest.raises(CheckpointError, match="no config.json"):
         resolve(str(tmp_path), "hf")
     with pytest.raises(CheckpointError, match="weights must be"):

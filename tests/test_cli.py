@@ -142,6 +142,7 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-text", "/no/such.txt"],
      ["--calib-text /no/such.txt does not exist"]),
     (["--macko-reference", str(APP), "--weights", "random"], ["drop --weights random"]),
+    (["--density", "0.5", "--save-compressed", "/no/such/folder"], ["--save-compressed writes compressed", "--sparse macko"]),
 ])
 def test_bad_flag_values_in_process(capsys, args, fragments):
     """The same contract for flag values, through main() in this process."""
@@ -231,6 +232,9 @@ def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint
     (["--op", "decode", "--timeline", "--steps", "1"], "--steps must be at least 2"),
     (["--op", "decode", "--timeline", "--sparse", "macko", "--density", "1.5"], "--density must lie in"),
     (["--op", "macko", "--sparse", "macko"], "use it with --op decode"),
+    (["--op", "macko", "--density", "0.25"], "--op macko has cases at densities"),
+    (["--op", "gemv", "--density", "0.5"], "--density picks the pruning of --op decode --sparse macko"),
+    (["--op", "decode", "--density", "0.5"], "--density picks the pruning of --op decode --sparse macko"),
 ])
 def test_profile_app_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -278,6 +282,7 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
         assert shown in first["stderr"]
     again = sparse_json("--model", str(folder))
     assert again["generated_ids"] == first["generated_ids"] and again["sparsity"] == first["sparsity"]
+    assert first["sparse"] == again["sparse"] == "macko" and "projections as stored compressed" in again["stderr"]
     assert again["random_weights"] is False and "loading" in again["stderr"]
     assert_input_error(cli("--device", "cpu", "--model", str(folder), "--density", "0.3"),
                        "pruned already", "dense checkpoint")
@@ -286,6 +291,17 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
         assert_input_error(cli("--device", "cpu", "--model", str(source), *flags, "--save-compressed", str(source)),
                            "is the folder the weights are read from")
         assert {path: path.stat().st_mtime_ns for path in source.iterdir()} == files  # nothing written
+
+
+def test_density_without_a_sparse_format_says_the_weights_stay_dense(local_checkpoint):
+    out = sparse_json("--model", str(local_checkpoint), "--density", "0.5")
+    assert out["sparse"] == "dense" and out["sparsity"]["density"] == 0.5
+    assert "stay dense" in out["stderr"] and "more memory" not in out["stderr"]
+
+
+def test_compressing_without_pruning_warns_when_it_takes_more_memory(local_checkpoint):
+    out = sparse_json("--model", str(local_checkpoint), "--sparse", "macko")
+    assert out["sparse"] == "macko" and "take more memory as macko than dense" in out["stderr"]
 
 
 def test_wanda_from_the_command_line(local_checkpoint):

@@ -254,6 +254,30 @@ def test_save_and_load_compressed_round_trip(tmp_path):
     assert torch.equal(logits(model), logits(loaded))
 
 
+def test_a_float32_run_saves_16_bit_values_when_they_are_exact(tmp_path):
+    """A float32 CPU run of a 16-bit checkpoint writes fp16 MACKO values (the format's own layout);
+    a tensor that 16 bits cannot hold exactly stays float32, so saving never rounds."""
+    from safetensors import safe_open
+
+    from minfer.checkpoint import ResolvedModel, load_model
+    from minfer.sparsity.compressed import save_compressed
+
+    model = tiny_pruned_model(torch.float32)
+    with torch.no_grad():
+        for name, tensor in model.checkpoint_tensors().items():
+            if name != "norm.weight":
+                tensor.copy_(tensor.half().float())
+        model.norm.weight[0] = 1 + 2**-20
+    model = convert(model, "macko")
+    folder = save_compressed(model, tmp_path / "compressed")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        stored = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert stored["norm.weight"] == "F32"
+    assert {dtype for name, dtype in stored.items() if name.endswith(".values")} == {"F16"}
+    resolved = ResolvedModel("tiny", model.config, folder, folder / "tokenizer.model", is_random=False)
+    assert torch.equal(logits(model), logits(load_model(resolved, torch.float32, "cpu")))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_stored_weight_bytes_is_what_loading_allocates(tmp_path, dtype):
     """The memory check's figure for a compressed folder: every tensor's bytes in the loading dtype."""

@@ -9,6 +9,17 @@ def csv_list(text: str) -> list[str]:
     return [item for item in text.split(",") if item]
 
 
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (counts of replays, tokens, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def density_list(text: str) -> list[float]:
     """Comma-separated densities in (0, 1], 1.0 meaning dense."""
     try:

@@ -88,9 +88,11 @@ def select(ops: list[str] | None = None, shapes: list[str] | None = None,
         raise MinferError(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     cases = [case for op in (ops or known) for case in _factories[op](dtype)]
     if shapes:
-        cases = [case for case in cases if case.shape.split()[0] in shapes or case.shape in shapes]
-        if not cases:
-            raise MinferError(f"no case has shape {', '.join(shapes)}; run without --shapes to list them")
+        chosen = [case for case in cases if case.shape.split()[0] in shapes or case.shape in shapes]
+        if not chosen:
+            labels = ", ".join(dict.fromkeys(case.shape.split()[0] for case in cases))
+            raise MinferError(f"no case has shape {', '.join(shapes)}; the shapes are {labels}")
+        cases = chosen
     return cases
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..model import EMBEDDING_PLACES
 from . import report
-from .arg_types import density_list, matrix_shape_list
+from .arg_types import density_list, matrix_shape_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
@@ -45,7 +45,7 @@ COLUMNS = {
         ("ref_schedule_ms", "ref-sched ms", "{:.4f}"), ("vs_ref_schedule", "vs ref", "{:.2f}x"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
         ("gemv_ms", "minfer gemv ms", "{:.4f}"), ("csr_ms", "CSR ms", "{:.4f}"), ("vs_csr", "vs CSR", "{:.1f}x"),
-        ("reference_ms", "dense ref ms", "{:.3f}")]],
+        ("reference_ms", "dense ref ms", "{:.3f}"), ("vs_reference", "vs dense ref", "{:.1f}x")]],
     "sweep": [report.Column(*c) for c in [
         ("shape", "shape"), ("density", "d", "{:.1f}"), ("config", "steps/warps/x-in-smem"),
         ("minfer_ms", "ms", "{:.4f}"), ("pct_copy", "% copy", "{:.1f}")]],
@@ -139,13 +139,14 @@ def spmv_rows(m: Matrix, copy_gbs: float, replays: int) -> dict:
     cublas_ms = m.time_dense(1, replays, F.linear)
     gemv_ms = m.time_dense(1, replays, ops.gemv)
     csr_ms = m.time_csr(replays)
+    reference_ms = m.time_reference(max(3, replays // 4))
     gbs, pct = bandwidth(m.bytes(1), ms, copy_gbs)
     return {"shape": m.shape, "density": m.density, "mb": m.bytes(1) / 1e6, "minfer_ms": ms, "gbs": gbs,
             "pct_copy": pct, "ref_schedule_ms": ref_ms, "vs_ref_schedule": ref_ms / ms,
             "ref_schedule_pct_copy": bandwidth(m.bytes(1), ref_ms, copy_gbs)[1], "cublas_ms": cublas_ms,
             "cublas_pct_copy": bandwidth(2 * (m.n * m.k + m.n + m.k), cublas_ms, copy_gbs)[1],
             "vs_cublas": cublas_ms / ms, "gemv_ms": gemv_ms, "csr_ms": csr_ms, "vs_csr": csr_ms / ms,
-            "reference_ms": m.time_reference(max(3, replays // 4)), "nonzeros": m.nonzeros}
+            "reference_ms": reference_ms, "vs_reference": reference_ms / ms, "nonzeros": m.nonzeros}
 
 
 def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=torch.float16, replays=20,
@@ -208,8 +209,8 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         held_before = e2e_suite.memory_held()
         model = e2e_suite.build_model(model_name, dtype)
         if density < 1.0:
-            prune_model_(model, density, "magnitude", progress=False)
-            convert(model, "macko")
+            prune_model_(model, density, "magnitude")
+            convert(model, "macko", progress=True)
             torch.cuda.empty_cache()
         prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
@@ -253,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of NxK (default: the Llama-2-7B shapes)")
     parser.add_argument("--densities", type=density_list, default=None,
                         help="comma list (default: 0.1,...,0.9; e2e: 1.0,0.7,0.5,0.3,0.1, 1.0 meaning dense)")
-    parser.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed replays per measurement (median)")
     parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
-    parser.add_argument("--prompt-tokens", type=int, default=512, help="e2e prompt length (default 512)")
-    parser.add_argument("--new-tokens", type=int, default=256, help="e2e decoded tokens (default 256)")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=512, help="e2e prompt length (default 512)")
+    parser.add_argument("--new-tokens", type=positive_int, default=256, help="e2e decoded tokens (default 256)")
     parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default="host",
                         help="e2e: where minfer keeps the token embedding (default host: pinned memory, "
                              "one row read per step over PCIe)")

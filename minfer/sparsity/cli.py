@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import MinferError
 from .prune import METHODS, calibration_tokens, check_density, prune_model_
-from .report import BlockReport, block_reports, format_report
+from .report import BlockReport, block_reports, format_report, report_summary
 
 CALIB_SAMPLES = 16
 CALIB_SEQ_LEN = 256
@@ -33,13 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calib-seq-len", type=int, default=None, metavar="L",
                        help=f"tokens per wanda sample (default: {CALIB_SEQ_LEN})")
     group.add_argument("--save-compressed", default=None, metavar="DIR",
-                       help="write the pruned, converted model to DIR (values in the run's --dtype: float16 on "
-                            "a GPU, float32 on the CPU unless --dtype says otherwise); later runs load it with "
-                            "--model DIR")
+                       help="write the pruned, converted model to DIR (with --sparse macko; float tensors as "
+                            "float16 or bfloat16 when that holds them exactly, e.g. after a float32 CPU run of a "
+                            "16-bit checkpoint); later runs load it with --model DIR")
     group.add_argument("--macko-reference", default=None, metavar="FILE",
                        help="load the projections from a checkpoint of macko_spmv's compression script "
                             "(keys <name>.c_0 ... c_4); config and tokenizer come from --model, whose "
                             "weights are not downloaded")
+
+
+def weight_formats(model: nn.Module) -> str:
+    """The formats the projections are stored in, e.g. "macko" or "dense+macko"."""
+    return "+".join(sorted({linear.fmt.name for _, linear in model.projections()}))
 
 
 def calibration_shape(args: argparse.Namespace) -> tuple[int, int]:
@@ -99,6 +104,9 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"--calib-seq-len {seq_len} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
     if args.save_compressed:
+        if format_class(args.sparse).name == "dense" and compressed_source(args, resolved) is None:
+            raise MinferError("--save-compressed writes compressed projections; add --sparse macko (and --density D "
+                              "to prune first, e.g. --density 0.5)")
         target = Path(args.save_compressed)
         if target.is_file():
             raise MinferError(f"--save-compressed {target} is a file; pass a folder to write the model into")
@@ -145,6 +153,9 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
             calibration = calibration_tokens(tokenizer, *calibration_shape(args), args.calib_text)
         note(f"pruning the projections to density {args.density} ({method})")
         prune_model_(model, args.density, method, calibration)
+        if cls.name == "dense":
+            note("NOTE: without --sparse macko the pruned projections stay dense: the same memory and speed as "
+                 "before; add --sparse macko to store them compressed")
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format
     converted = cls.name != "dense" and any(not isinstance(linear.fmt, cls) for _, linear in model.projections())
     if converted:
@@ -155,6 +166,10 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
     if args.density is not None or converted or any(linear.fmt.name != "dense" for _, linear in model.projections()):
         reports = block_reports(model)
         note(format_report(reports, model))
+        summary = report_summary(reports)
+        if summary["projection_bytes_stored"] > summary["projection_bytes_dense"]:
+            note(f"NOTE: the projections take more memory as {weight_formats(model)} than dense; prune them first "
+                 "(--density D, e.g. 0.5) or keep them dense")
     if args.save_compressed:
         from .compressed import save_compressed
 

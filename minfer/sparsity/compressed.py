@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -55,8 +56,11 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
                 (folder / stale).unlink(missing_ok=True)
             shutil.copyfile(tokenizer_path, target)
     source = model.checkpoint_tensors()
-    tensors = {name: t.detach().to("cpu").contiguous()
+    tensors = {name: _file_copy(t)
                for name, t in tqdm(source.items(), desc="copying to host", unit="tensor", disable=not progress)}
+    if progress:
+        print(f"writing {sum(t.nbytes for t in tensors.values()) / 1e9:.2f} GB to {folder / WEIGHTS_FILE}",
+              file=sys.stderr, flush=True)
     partial = folder / (WEIGHTS_FILE + ".partial")
     try:
         save_file(tensors, partial, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
@@ -65,6 +69,19 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
         raise
     partial.replace(folder / WEIGHTS_FILE)
     return folder
+
+
+def _file_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor on the host as the file stores it: float32 as float16 or bfloat16 when one of them
+    holds every value exactly (a float32 CPU run of a 16-bit checkpoint), so the file keeps
+    MACKO's 16-bit values; otherwise unchanged, so saving never rounds."""
+    host = tensor.detach().to("cpu").contiguous()
+    if host.dtype == torch.float32:
+        for narrow in (torch.float16, torch.bfloat16):
+            candidate = host.to(narrow)
+            if torch.equal(candidate.to(torch.float32), host):
+                return candidate
+    return host
 
 
 def _layout(folder: Path) -> dict | None:
@@ -180,7 +197,8 @@ def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
         parts.setdefault(target.removesuffix(".weight"), []).append((row, [state[k] for k in keys[:3]]))
     formats = {}
     fused: dict[str, tuple[torch.Tensor, ...]] = {}
-    for fmt_name, pieces in parts.items():
+    for fmt_name, pieces in tqdm(parts.items(), desc="stacking q/k/v and gate/up rows", unit="matrix",
+                                 disable=not progress):
         arrays = concat_rows([tuple(p) for _, p in sorted(pieces, key=lambda item: item[0])])
         fused[fmt_name] = arrays
         name = fmt_name.removesuffix(".fmt")
