@@ -293,17 +293,44 @@ def test_stored_weight_bytes_is_what_loading_allocates(tmp_path, dtype):
     assert stored_weight_bytes(folder, dtype) == allocated
 
 
-def test_load_reference_tool_checkpoint(tmp_path):
-    """The reference script's layout: HF names, `.weight` -> `.c_0`..`.c_4`, written by torch.save."""
+def compress_keeping_trailing_zeros(weight: torch.Tensor):
+    """An older reference compressor's arrays: FORMATS.md's walk, one row at a time, without dropping
+    the stored zeros after a row's last nonzero."""
+    from minfer.formats.macko import _pack
+
+    values, nibbles, counts = [], [], []
+    for row in weight.tolist():
+        skipped, stored = 0, 0
+        for value in row:
+            if value != 0 or skipped == 15:
+                values.append(value)
+                nibbles.append(skipped)
+                skipped, stored = 0, stored + 1
+            else:
+                skipped += 1
+        counts.append(stored)
+    return _pack(torch.tensor(values, dtype=weight.dtype), torch.tensor(nibbles), torch.tensor(counts))
+
+
+@pytest.mark.parametrize("trailing_zeros", ["dropped", "kept"])
+def test_load_reference_tool_checkpoint(tmp_path, trailing_zeros):
+    """The reference script's layout: HF names, `.weight` -> `.c_0`..`.c_4`, written by torch.save;
+    also from an older version that kept the stored zeros after each row's last nonzero."""
     from minfer.checkpoint import hf_state_dict
     from minfer.model import Transformer
     from minfer.sparsity.compressed import load_reference_macko
 
     model = tiny_pruned_model(torch.float16)
+    with torch.no_grad():  # room after each row's last nonzero for a kept zero every 16 columns
+        for _, linear in model.projections():
+            linear.fmt.weight[:, -40:] = 0
+    compressor = compress if trailing_zeros == "dropped" else compress_keeping_trailing_zeros
     state = {}
     for name, tensor in hf_state_dict(model).items():
         if "self_attn" in name or "mlp" in name:
-            values, deltas, row_ptr = compress(tensor.contiguous())
+            values, deltas, row_ptr = compressor(tensor.contiguous())
+            assert torch.equal(MackoWeight(values, deltas, row_ptr, tuple(tensor.shape)).to_dense(), tensor)
+            assert (row_ptr[-1] > compress(tensor.contiguous())[2][-1]) == (trailing_zeros == "kept")
             for i, part in enumerate((values, deltas, row_ptr, *tensor.shape)):
                 state[name.replace("weight", f"c_{i}")] = part
         else:
@@ -311,5 +338,6 @@ def test_load_reference_tool_checkpoint(tmp_path):
     torch.save(state, tmp_path / "llama_compressed")
     loaded = load_reference_macko(Transformer(model.config), tmp_path / "llama_compressed", torch.float16, "cpu")
     for (name, dense), (_, sparse) in zip(model.projections(), loaded.projections()):
-        assert_same_arrays((sparse.fmt.values, sparse.fmt.deltas, sparse.fmt.row_ptr), compress(dense.fmt.weight))
+        assert_same_arrays((sparse.fmt.values, sparse.fmt.deltas, sparse.fmt.row_ptr),
+                           compressor(dense.fmt.weight.contiguous()))
     assert torch.equal(logits(convert(model, "macko")), logits(loaded))
