@@ -222,11 +222,13 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
 
-def test_cuda_graph_replay_uses_new_inputs():
+@pytest.mark.parametrize("tokens", [1, 2, 16])
+def test_cuda_graph_replay_uses_new_inputs(tokens):
+    """One token (x staged as fp32) and SpMM passes (x tiles) read the inputs of each replay."""
     matrix = sparse_matrix(300, 777, 0.5, seed=6)
     values, deltas, row_ptr = compress(matrix)
-    x = torch.randn(2, 777, device="cuda", dtype=torch.float16)
-    out = torch.empty(2, 300, device="cuda", dtype=torch.float16)
+    x = torch.randn(tokens, 777, device="cuda", dtype=torch.float16)
+    out = torch.empty(tokens, 300, device="cuda", dtype=torch.float16)
     ops.macko_spmv(values, deltas, row_ptr, x, out=out)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
