@@ -1,6 +1,7 @@
 """Run chosen kernels, or one decode step, a few times inside NVTX ranges between
-cudaProfilerStart/Stop, so that a profiler started with capture off sees exactly that region:
+cudaProfilerStart/Stop, so that a profiler sees exactly that region:
 
+  ncu --set full python apps/profile.py          # a decode step of llama2-7b (random weights), layer 0
   ncu --set full --profile-from-start off python apps/profile.py --op gemv
   ncu --set full --profile-from-start off -o gemv python apps/profile.py --op gemv --shapes 4096x11008 --baseline
   nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode
@@ -10,8 +11,12 @@ cudaProfilerStart/Stop, so that a profiler started with capture off sees exactly
 `--timeline` needs no external profiler: it traces CUDA-graph decode steps with the torch profiler
 (CUPTI) and prints what each kernel adds to a step's critical path (minfer/bench/decode_timeline.py).
 
-Warm-up (JIT build, allocation, library init) runs before the profiled region. `--baseline` also
-runs each case's vendor baseline in its own range ("baseline: ...") for a side-by-side report.
+Warm-up (JIT build, model setup, allocation, library init) runs before the profiled region. ncu
+started from the repository root reads config.ncu-cfg there, which sets --profile-from-start off,
+so the plain `ncu --set full python apps/profile.py` profiles the region only (ncu ignores
+cudaProfilerStop while it profiles from the start; it would otherwise replay each of the hundreds
+of kernels that fill the random weights). `--baseline` also runs each case's vendor baseline in its
+own range ("baseline: ...") for a side-by-side report.
 """
 
 from __future__ import annotations
@@ -36,14 +41,19 @@ DECODE_DENSITY = 0.5
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="apps/profile.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", required=True, choices=[*kernel_suite.registered_ops(), DECODE],
-                        help="a kernel from the benchmark registry, or one decode step of --model")
+    parser.add_argument("--op", default=DECODE, choices=[*kernel_suite.registered_ops(), DECODE],
+                        help="a kernel from the benchmark registry, or one decode step of --model (default)")
     parser.add_argument("--shapes", default=None, help="comma-separated shape labels (default: every case)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
-    parser.add_argument("--iters", type=int, default=3, help="profiled runs of each case (default 3)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="profiled runs of each case (default 3; one decode step: 1)")
     parser.add_argument("--baseline", action="store_true", help="also run the vendor baseline of each case")
     parser.add_argument("--model", default="llama2-7b", help="decode: known model alias, random weights")
     parser.add_argument("--context", type=int, default=512, help="decode: cache positions filled before the step")
+    parser.add_argument("--layers", type=int, default=1, metavar="N",
+                        help="decode: profile the embedding and the first N layers of the step, which repeat the "
+                             "same kernels (default 1: 7 kernels, ~30 s under ncu --set full; 0 = every "
+                             "layer, lm_head and sampling too, ~10 min)")
     parser.add_argument("--timeline", action="store_true",
                         help="decode: trace graph-replayed steps and print each kernel's share of a step")
     parser.add_argument("--steps", type=int, default=32, help="decode --timeline: traced steps (default 32)")
@@ -109,17 +119,29 @@ def decode_model(args: argparse.Namespace):
 
 @torch.inference_mode()
 def profile_decode(args: argparse.Namespace) -> None:
-    """One-token forward passes at position `context` (eager, so each kernel shows on its own)."""
+    """One-token forward passes at position `context` (eager, so each kernel shows on its own);
+    profiling stops when layer `--layers` starts (the layers repeat the same kernels)."""
     model, label = decode_model(args)
     model.setup_caches(1, args.context + 1)
     token = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
     pos = torch.tensor([args.context], device="cuda")
     model(token, pos)  # warm-up
-    with ProfiledRegion():
+    layers = len(model.layers) if args.layers is None else min(args.layers, len(model.layers))
+
+    def stop_profiling(*_) -> None:  # a pre-hook that returned the cudaError_t would replace the layer's inputs
+        torch.cuda.cudart().cudaProfilerStop()
+
+    stop = model.layers[layers].register_forward_pre_hook(stop_profiling) if layers < len(model.layers) else None
+    scope = "the whole step" if stop is None else f"the embedding and layers 0..{layers - 1}"
+    try:
         for it in range(args.iters):
-            with torch.cuda.nvtx.range(f"minfer: decode step {args.model} {label} pos {args.context} #{it}"):
+            with ProfiledRegion(), torch.cuda.nvtx.range(
+                    f"minfer: decode step {args.model} {label} pos {args.context} #{it}"):
                 model(token, pos)
-    print(f"profiled {args.iters} decode step(s) of {args.model} ({label}) at position {args.context}")
+    finally:
+        if stop is not None:
+            stop.remove()
+    print(f"profiled {args.iters} decode step(s) of {args.model} ({label}) at position {args.context}: {scope}")
 
 
 @torch.inference_mode()
@@ -143,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--timeline traces decode steps: use it with --op decode")
     if args.sparse != "none" and args.op != DECODE:
         parser.error("--sparse sets the model's weight format: use it with --op decode")
-    if args.steps < 2 or args.context < 1 or args.iters < 1:
-        parser.error("--steps must be at least 2, --context and --iters at least 1")
+    if args.iters is None:
+        args.iters = 1 if args.op == DECODE else 3
+    if args.steps < 2 or args.context < 1 or args.iters < 1 or args.layers < 0:
+        parser.error("--steps must be at least 2, --context and --iters at least 1, --layers at least 0")
+    if args.layers == 0:
+        args.layers = None  # every layer
     if args.density is not None:
         if args.op == "macko" and args.density not in MACKO_CASE_DENSITIES:
             parser.error(f"--op macko has cases at densities {', '.join(str(d) for d in MACKO_CASE_DENSITIES)}, "
