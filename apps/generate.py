@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     stored = sparsity_cli.compressed_source(args, resolved) is not None
     note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {device}, "
          f"{'random' if resolved.is_random else 'checkpoint'} weights, "
-         f"{'projections as stored compressed' if stored else f'sparse={args.sparse}'}")
+         f"{'projections as stored compressed' if stored else f'sparse={formats.format_class(args.sparse).name}'}")
     if resolved.is_random:
         what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
         note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "

@@ -4,7 +4,7 @@ cudaProfilerStart/Stop, so that a profiler sees exactly that region:
   ncu --set full python apps/profile.py          # a decode step of llama2-7b (random weights), layer 0
   ncu --set full --profile-from-start off python apps/profile.py --op gemv
   ncu --set full --profile-from-start off -o gemv python apps/profile.py --op gemv --shapes 4096x11008 --baseline
-  nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode
+  nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode --layers 0
   ncu --set full --profile-from-start off -k regex:macko_spmv python apps/profile.py --op decode --sparse macko
   python apps/profile.py --op decode --timeline [--sparse macko --density 0.5]
 
@@ -50,10 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baseline", action="store_true", help="also run the vendor baseline of each case")
     parser.add_argument("--model", default="llama2-7b", help="decode: known model alias, random weights")
     parser.add_argument("--context", type=int, default=512, help="decode: cache positions filled before the step")
-    parser.add_argument("--layers", type=int, default=1, metavar="N",
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="decode: profile the embedding and the first N layers of the step, which repeat the "
-                             "same kernels (default 1: 7 kernels, ~30 s under ncu --set full; 0 = every "
-                             "layer, lm_head and sampling too, ~10 min)")
+                             "same kernels (default 1: 7 kernels, ~30 s under ncu --set full; 0 = the whole "
+                             "step: every layer, the final norm and lm_head, ~10 min)")
     parser.add_argument("--timeline", action="store_true",
                         help="decode: trace graph-replayed steps and print each kernel's share of a step")
     parser.add_argument("--steps", type=int, default=32, help="decode --timeline: traced steps (default 32)")
@@ -126,7 +126,7 @@ def profile_decode(args: argparse.Namespace) -> None:
     token = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
     pos = torch.tensor([args.context], device="cuda")
     model(token, pos)  # warm-up
-    layers = len(model.layers) if args.layers is None else min(args.layers, len(model.layers))
+    layers = len(model.layers) if args.layers == 0 else min(args.layers or 1, len(model.layers))
 
     def stop_profiling(*_) -> None:  # a pre-hook that returned the cudaError_t would replace the layer's inputs
         torch.cuda.cudart().cudaProfilerStop()
@@ -167,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sparse sets the model's weight format: use it with --op decode")
     if args.iters is None:
         args.iters = 1 if args.op == DECODE else 3
-    if args.steps < 2 or args.context < 1 or args.iters < 1 or args.layers < 0:
+    if args.layers is not None and (args.op != DECODE or args.timeline):
+        parser.error("--layers cuts the profiled decode step: use it with --op decode, without --timeline")
+    if args.steps < 2 or args.context < 1 or args.iters < 1 or (args.layers or 0) < 0:
         parser.error("--steps must be at least 2, --context and --iters at least 1, --layers at least 0")
-    if args.layers == 0:
-        args.layers = None  # every layer
     if args.density is not None:
         if args.op == "macko" and args.density not in MACKO_CASE_DENSITIES:
             parser.error(f"--op macko has cases at densities {', '.join(str(d) for d in MACKO_CASE_DENSITIES)}, "

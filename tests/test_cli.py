@@ -236,6 +236,8 @@ def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint
     (["--op", "gemv", "--density", "0.5"], "--density picks the pruning of --op decode --sparse macko"),
     (["--op", "decode", "--density", "0.5"], "--density picks the pruning of --op decode --sparse macko"),
     (["--layers", "-1"], "--layers at least 0"),
+    (["--op", "gemv", "--layers", "2"], "--layers cuts the profiled decode step"),
+    (["--op", "decode", "--timeline", "--layers", "2"], "--layers cuts the profiled decode step"),
 ])
 def test_profile_app_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -260,13 +262,10 @@ def test_profile_app_decode_model_takes_the_sparse_format(sparse, monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("layers, stops_at_layer", [("1", 1), ("0", None)])
+@pytest.mark.parametrize("layers, stops_at_layer", [(None, 1), ("1", 1), ("0", None)])
 def test_profile_app_decode_stops_profiling_after_the_chosen_layers(layers, stops_at_layer, monkeypatch, capsys):
     """The default profile of `--op decode` is the embedding and layer 0 (the layers repeat the same
     kernels): profiling stops as layer 1 starts. --layers 0 keeps the whole step."""
-    from minfer.bench import e2e_suite
-
-    monkeypatch.setattr(e2e_suite, "build_model", lambda name, dtype: tiny_random_model(dtype).cuda())
     events = []
 
     class Profiler:  # returns cudaSuccess (0) like the real calls
@@ -284,7 +283,7 @@ def test_profile_app_decode_stops_profiling_after_the_chosen_layers(layers, stop
     monkeypatch.setattr(app, "decode_model", lambda args: (model, "dense"))
     for index, layer in enumerate(model.layers):
         layer.register_forward_pre_hook(lambda *_, index=index: events.append(f"layer {index}"))
-    assert app.main(["--op", "decode", "--layers", layers, "--context", "4"]) == 0
+    assert app.main(["--op", "decode", "--context", "4", *(["--layers", layers] if layers else [])]) == 0
     step = [f"layer {i}" for i in range(len(model.layers))]
     profiled = step[:stops_at_layer + 1] + ["stop"] + step[stops_at_layer + 1:] if stops_at_layer else step
     # the warm-up step, then one profiled step (--iters defaults to 1 for decode); the app's hook on

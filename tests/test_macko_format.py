@@ -265,17 +265,22 @@ def test_a_float32_run_saves_16_bit_values_when_they_are_exact(tmp_path):
     model = tiny_pruned_model(torch.float32)
     with torch.no_grad():
         for name, tensor in model.checkpoint_tensors().items():
-            if name != "norm.weight":
+            if name not in ("norm.weight", "embed_tokens.weight"):
                 tensor.copy_(tensor.half().float())
-        model.norm.weight[0] = 1 + 2**-20
+        model.norm.weight[0] = 1 + 2**-20  # neither 16-bit type holds it
+        model.embed_tokens.weight.copy_(model.embed_tokens.weight.bfloat16().float())
+        model.embed_tokens.weight[0, 0] = 2**-30  # below float16's range, exact in bfloat16
     model = convert(model, "macko")
     folder = save_compressed(model, tmp_path / "compressed")
     with safe_open(folder / "model.safetensors", "pt") as f:
         stored = {name: f.get_slice(name).get_dtype() for name in f.keys()}
-    assert stored["norm.weight"] == "F32"
+    assert stored["norm.weight"] == "F32" and stored["embed_tokens.weight"] == "BF16"
     assert {dtype for name, dtype in stored.items() if name.endswith(".values")} == {"F16"}
     resolved = ResolvedModel("tiny", model.config, folder, folder / "tokenizer.model", is_random=False)
-    assert torch.equal(logits(model), logits(load_model(resolved, torch.float32, "cpu")))
+    loaded = load_model(resolved, torch.float32, "cpu")
+    for name, tensor in model.checkpoint_tensors().items():
+        assert torch.equal(loaded.checkpoint_tensors()[name], tensor), name
+    assert torch.equal(logits(model), logits(loaded))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

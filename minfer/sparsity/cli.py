@@ -168,8 +168,9 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
         note(format_report(reports, model))
         summary = report_summary(reports)
         if summary["projection_bytes_stored"] > summary["projection_bytes_dense"]:
-            note(f"NOTE: the projections take more memory as {weight_formats(model)} than dense; prune them first "
-                 "(--density D, e.g. 0.5) or keep them dense")
+            note(f"NOTE: the projections take more memory as {weight_formats(model)} than dense (MACKO pays off "
+                 "below a density of about 0.75); keep them dense, or prune the dense checkpoint further "
+                 "(--density, e.g. 0.5)")
     if args.save_compressed:
         from .compressed import save_compressed
 
