@@ -273,6 +273,54 @@ void macko_spmv(const at::Tensor& values, const at::Tensor& deltas, const at::Te
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void macko_tensor_core_spmm(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr,
+                            const at::Tensor& window_table, const at::Tensor& x, at::Tensor& out, at::Tensor& partials,
+                            at::Tensor& counters, int64_t k_splits, int64_t steps, bool accumulate) {
+    const char* op = "minfer.macko_tensor_core_spmm";
+    check_macko(values, deltas, row_ptr, op);
+    check_cuda_contiguous(window_table, "window_table");
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(out, "out");
+    check_cuda_contiguous(partials, "partials");
+    check_cuda_contiguous(counters, "counters");
+    MINFER_CHECK(x.dim() == 2 && out.dim() == 2, op, ": expects x [T, K] and out [T, N]");
+    const int64_t rows = row_ptr.numel() - 1, cols = x.size(1), tokens = x.size(0);
+    MINFER_CHECK(tokens <= minfer::kMackoTensorCoreTokens, op, ": at most ", minfer::kMackoTensorCoreTokens,
+                 " tokens per call, got ", tokens);
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == rows, op, ": out must be [", tokens, ", ", rows, "]");
+    MINFER_CHECK(cols < INT32_MAX - minfer::kMackoWindowCols, op, ": x is too large");
+    MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(), op,
+                 ": values, x and out must share one dtype");
+    const int64_t windows = std::max<int64_t>(1, (cols + minfer::kMackoWindowCols - 1) / minfer::kMackoWindowCols);
+    const int64_t tiles = (rows + minfer::kMackoTileRows - 1) / minfer::kMackoTileRows;
+    MINFER_CHECK(window_table.scalar_type() == at::kInt && window_table.dim() == 2 && window_table.size(0) == rows &&
+                     window_table.size(1) == windows - 1,
+                 op, ": window_table must be int32 [", rows, ", ", windows - 1, "] (ops.macko_window_table)");
+    MINFER_CHECK(k_splits >= 1 && k_splits <= windows, op,
+                 ": k_splits must be in [1, ", windows, "] (the column windows), got ", k_splits);
+    MINFER_CHECK(steps == 0 || steps == 1 || steps == 2, op, ": steps must be 0 (auto), 1 or 2");
+    MINFER_CHECK(counters.scalar_type() == at::kInt && counters.dim() == 1 && counters.numel() >= tiles, op,
+                 ": counters must be int32 with at least ", tiles, " entries, zero");
+    MINFER_CHECK(k_splits == 1 || (partials.scalar_type() == at::kFloat && partials.dim() == 3 &&
+                                   partials.size(0) == k_splits && partials.size(1) == minfer::kMackoTensorCoreTokens &&
+                                   partials.size(2) == tiles * minfer::kMackoTileRows),
+                 op, ": partials must be float32 [", k_splits, ", ", minfer::kMackoTensorCoreTokens, ", ",
+                 tiles * minfer::kMackoTileRows, "]");
+    for (const at::Tensor* t :
+         std::initializer_list<const at::Tensor*>{&window_table, &x, &out, &partials, &counters})
+        MINFER_CHECK(t->device() == values.device(), op, ": tensors on different devices");
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
+                 ": out must not overlap x (other blocks still read x while one writes out)");
+    const c10::cuda::CUDAGuard guard(values.device());
+    minfer::launch_macko_tensor_core_spmm(values.data_ptr(), deltas.data_ptr<uint8_t>(), row_ptr.data_ptr<int32_t>(),
+                                          window_table.data_ptr<int32_t>(), x.data_ptr(), out.data_ptr(),
+                                          k_splits > 1 ? partials.data_ptr<float>() : nullptr,
+                                          counters.data_ptr<int32_t>(), rows, cols, tokens, (int)k_splits, (int)steps,
+                                          accumulate,
+                                          dtype_of(values), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void macko_decompress(const at::Tensor& values, const at::Tensor& deltas, const at::Tensor& row_ptr, at::Tensor& out) {
     check_macko(values, deltas, row_ptr, "minfer.macko_decompress");
     check_cuda_contiguous(out, "out");
@@ -460,6 +508,7 @@ TORCH_LIBRARY(minfer, m) {
     m.def("embedding(Tensor table, Tensor tokens, Tensor(a!) out) -> ()");
     m.def("argmax(Tensor logits, Tensor(a!) out, Tensor(b!)? position=None, Tensor(c!)? host_tokens=None) -> ()");
     m.def("macko_spmv(Tensor values, Tensor deltas, Tensor row_ptr, Tensor x, Tensor(a!) out, Tensor? norm_weight, float eps, int steps, int warps_per_block, int x_in_smem, int pipeline, bool accumulate, bool silu_mul) -> ()");
+    m.def("macko_tensor_core_spmm(Tensor values, Tensor deltas, Tensor row_ptr, Tensor window_table, Tensor x, Tensor(a!) out, Tensor(b!) partials, Tensor(c!) counters, int k_splits, int steps, bool accumulate) -> ()");
     m.def("macko_decompress(Tensor values, Tensor deltas, Tensor row_ptr, Tensor(a!) out) -> ()");
     m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
     m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps, Tensor(b!) out) -> ()");
@@ -475,6 +524,7 @@ TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("embedding", &embedding);
     m.impl("argmax", &argmax);
     m.impl("macko_spmv", &macko_spmv);
+    m.impl("macko_tensor_core_spmm", &macko_tensor_core_spmm);
     m.impl("macko_decompress", &macko_decompress);
     m.impl("rms_norm", &rms_norm);
     m.impl("add_rms_norm", &add_rms_norm);

@@ -37,6 +37,26 @@ void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t*
                        const MackoNorm& norm, bool silu_mul, DType dtype, const MackoTuning& tuning,
                        cudaStream_t stream);
 
+// The tensor-core SpMM splits each row into runs of whole column windows of this many columns. A
+// window table [rows][windows - 1] (windows = ceil(cols / kMackoWindowCols)) holds, for windows 1..,
+// where each row's run starts: (first entry in or past the window, less the row's first entry) << 4 |
+// (window start - (that entry's column - its nibble)), the second field in 0..15 (0 for an empty run).
+constexpr int kMackoWindowCols = 512;
+constexpr int kMackoTileRows = 64;          // rows of one tensor-core SpMM block
+constexpr int kMackoTensorCoreTokens = 16;  // tokens of one tensor-core SpMM pass (the mma's M)
+
+// out[t, r] (+)= sum_c W[r, c] * x[t, c] for tokens <= 16 on the tensor cores: each block walks the runs
+// of kMackoTileRows rows in window after window of its share of the columns (k_splits shares), scatters
+// them into a dense tile in shared memory and multiplies it with that window of x (mma.sync). With
+// k_splits > 1, each share's fp32 sums go to `partials` [k_splits][16][tiles * kMackoTileRows] and the
+// last block of a tile to arrive (counters[tile], zero at rest and left zero) adds them in share order,
+// so the result does not depend on the split's timing. x [tokens, cols] and out [tokens, rows] contiguous.
+// steps: 256-entry warp steps loaded per group (1 or 2; 0: the tuned default).
+void launch_macko_tensor_core_spmm(const void* values, const uint8_t* deltas, const int32_t* row_ptr,
+                                   const int32_t* window_table, const void* x, void* out, float* partials,
+                                   int32_t* counters, int64_t rows, int64_t cols, int64_t tokens, int k_splits,
+                                   int steps, bool accumulate, DType dtype, cudaStream_t stream);
+
 // out = W as a dense, contiguous [rows, cols] matrix (every element written).
 void launch_macko_decompress(const void* values, const uint8_t* deltas, const int32_t* row_ptr, void* out,
                              int64_t rows, int64_t cols, DType dtype, cudaStream_t stream);

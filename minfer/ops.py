@@ -361,30 +361,82 @@ def unpack_nibbles(deltas: torch.Tensor, stored: int) -> torch.Tensor:
     return torch.stack((deltas & 15, deltas >> 4), dim=1).reshape(-1)[:stored]
 
 
-def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
-                               cols: int) -> torch.Tensor:
-    """The dense [rows, cols] matrix of a MACKO-16-4 triple (shared/FORMATS.md), vectorized.
+def _macko_entry_columns(nibbles: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of every stored entry: entry k of a row sits one column after entry k-1 plus its
+    own nibble (the first at its nibble). `starts` [rows + 1] are the rows' first entries (from 0)."""
+    ends = torch.cat((starts.new_zeros(1), (nibbles.long() + 1).cumsum(0)))  # ends[k]: columns used by entries < k
+    rows = starts.numel() - 1
+    row_of = torch.repeat_interleave(torch.arange(rows, device=starts.device), starts.diff(), output_size=nibbles.numel())
+    return row_of, ends[1:] - 1 - ends[starts[:-1]][row_of]
 
-    Entry k of a row sits one column after entry k-1 plus its own nibble (the first at its nibble).
-    """
+
+def _check_macko_extent(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor) -> int:
     if row_ptr.numel() == 0:
         raise FormatError("row_ptr must hold rows + 1 offsets, got an empty tensor")
-    rows = row_ptr.numel() - 1
-    starts = row_ptr.long()
-    stored = int(starts[-1])
+    stored = int(row_ptr[-1])
     if stored > values.numel() or 2 * deltas.numel() < stored:
         raise FormatError(f"row_ptr ends at {stored} entries but values holds {values.numel()} "
                           f"and deltas {2 * deltas.numel()}: the MACKO arrays are inconsistent")
-    nibbles = unpack_nibbles(deltas, stored).long()
-    ends = torch.cat((nibbles.new_zeros(1), (nibbles + 1).cumsum(0)))  # ends[k]: columns used by entries < k
-    row_of = torch.repeat_interleave(torch.arange(rows, device=values.device), starts.diff(), output_size=stored)
-    col_of = ends[1:] - 1 - ends[starts[:-1]][row_of]
-    if stored and int(col_of.max()) >= cols:
+    return stored
+
+
+def _check_macko_columns(col_of: torch.Tensor, cols: int) -> None:
+    if col_of.numel() and int(col_of.max()) >= cols:
         raise FormatError(f"the MACKO arrays place an entry past column {cols - 1}; they do not encode "
                           f"a matrix with {cols} columns")
-    dense = values.new_zeros(rows, cols)
+
+
+def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
+                               cols: int) -> torch.Tensor:
+    """The dense [rows, cols] matrix of a MACKO-16-4 triple (shared/FORMATS.md), vectorized."""
+    stored = _check_macko_extent(values, deltas, row_ptr)
+    row_of, col_of = _macko_entry_columns(unpack_nibbles(deltas, stored), row_ptr.long())
+    _check_macko_columns(col_of, cols)
+    dense = values.new_zeros(row_ptr.numel() - 1, cols)
     dense[row_of, col_of] = values[:stored]
     return dense
+
+
+MACKO_WINDOW_COLS = 512  # kernels/macko.h, kMackoWindowCols
+MACKO_TILE_ROWS = 64  # kernels/macko.h, kMackoTileRows
+_ORIGIN_BIAS = 15  # kernels/macko.h: a run's origin, -15 to 112, is stored plus this
+_WINDOW_TABLE_ENTRIES = 1 << 24  # entries handled at once (bounds the temporaries)
+
+
+def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, cols: int) -> torch.Tensor:
+    """The tensor-core SpMM's window table (kernels/macko.h), int32 [rows, windows - 1] on row_ptr's device.
+
+    For each column window w = 1.. of MACKO_WINDOW_COLS columns, row r's run of that window starts at entry
+    P = the row's first entry in or past the window, rounded up to a whole 8-entry chunk of the values array
+    (at most the row's end), so that runs split no chunk. The entry is (P - the row's first entry) << 7 |
+    (origin + 15), where origin = P's column - its nibble - the window's first column (-15 to 112; 0 when P
+    is the row's end). Vectorized, in blocks of rows."""
+    stored = _check_macko_extent(values, deltas, row_ptr)
+    rows = row_ptr.numel() - 1
+    windows = max(1, -(-cols // MACKO_WINDOW_COLS))
+    table = torch.full((rows, windows - 1), _ORIGIN_BIAS, dtype=torch.int32, device=row_ptr.device)
+    if windows == 1 or stored == 0:
+        return table
+    starts = row_ptr.long()
+    nibbles = unpack_nibbles(deltas, stored)
+    window_starts = torch.arange(1, windows, device=row_ptr.device) * MACKO_WINDOW_COLS
+    block_rows = max(1, _WINDOW_TABLE_ENTRIES // (cols + cols // 15 + 1))  # a row stores at most that many
+    for first in range(0, rows, block_rows):
+        bounds = starts[first:first + block_rows + 1]
+        begin, end = int(bounds[0]), int(bounds[-1])
+        if begin == end:
+            continue
+        row_starts, row_ends = bounds[:-1, None], bounds[1:, None]
+        block_nibbles = nibbles[begin:end].long()
+        row_of, col_of = _macko_entry_columns(block_nibbles, bounds - begin)
+        _check_macko_columns(col_of, cols)
+        count = torch.bincount(row_of * windows + col_of // MACKO_WINDOW_COLS, minlength=(bounds.numel() - 1) * windows)
+        inside = row_starts + count.view(-1, windows).cumsum(1)[:, :-1]  # the first entry from window w on
+        run_start = torch.minimum((inside + 7) & ~7, row_ends)  # absolute: chunks are 8-entry aligned
+        at = (run_start - begin).clamp(max=end - begin - 1)
+        origin = torch.where(run_start < row_ends, col_of[at] - block_nibbles[at] - window_starts, 0)
+        table[first:first + block_rows] = (((run_start - row_starts) << 7) | (origin + _ORIGIN_BIAS)).to(torch.int32)
+    return table
 
 
 def macko_spmv_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
@@ -405,15 +457,79 @@ def _macko_spmv_fake(values, deltas, row_ptr, x, out, norm_weight, eps, steps, w
     return None
 
 
+@fake_impl("minfer::macko_tensor_core_spmm")
+def _macko_tensor_core_spmm_fake(values, deltas, row_ptr, window_table, x, out, partials, counters, k_splits,
+                                 steps, accumulate):
+    return None
+
+
 @fake_impl("minfer::macko_decompress")
 def _macko_decompress_fake(values, deltas, row_ptr, out):
     return None
 
 
+MACKO_TENSOR_CORE_MIN_TOKENS = 9  # up to 8 tokens the CUDA-core SpMM is faster (docs/perf-notes.md, session 23)
+MACKO_TENSOR_CORE_BLOCKS_PER_SM = 2  # kernels/macko_tensor_core_spmm.cu: two 512-thread blocks fit an SM
+
+
+def macko_uses_tensor_cores(tokens: int) -> bool:
+    """Whether macko_spmv runs `tokens` tokens on the tensor cores when given a window table."""
+    return MACKO_TENSOR_CORE_MIN_TOKENS <= tokens <= MACKO_SPMM_MAX_TOKENS
+
+
+def macko_k_splits(rows: int, cols: int, device: torch.device) -> int:
+    """Shares of the column windows for the tensor-core SpMM: enough blocks for every block slot of the
+    GPU (a 4096-row matrix has 64 tiles of rows), in equal shares of whole windows."""
+    windows = max(1, -(-cols // MACKO_WINDOW_COLS))
+    tiles = max(1, -(-rows // MACKO_TILE_ROWS))
+    slots = MACKO_TENSOR_CORE_BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = min(windows, -(-slots // tiles))
+    per_split = -(-windows // wanted)
+    return -(-windows // per_split)
+
+
+_macko_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _macko_tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The arrival counters of the k-split SpMM's tiles: zero at rest (every launch leaves them zero)."""
+    counters = _macko_counters.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _macko_counters[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return counters
+
+
+def macko_tensor_core_spmm(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
+                           window_table: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None, *,
+                           accumulate: bool = False, k_splits: int = 0, steps: int = 0) -> torch.Tensor:
+    """out [T, N] (+)= x [T, K] @ W.T for up to 16 tokens on the tensor cores (kernels/macko.h), given the
+    matrix's macko_window_table. `k_splits` shares of the column windows (0: macko_k_splits) run in
+    parallel and are added in a fixed order; `steps` (1 or 2, 0: the tuned default) is a launch knob for
+    benchmarks. Launches on one device share arrival counters, so calls
+    from several streams at once are not supported."""
+    if accumulate and out is None:
+        raise FormatError("macko_tensor_core_spmm(accumulate=True) adds into `out`: pass the tensor to add into")
+    rows = row_ptr.numel() - 1
+    if out is None:
+        out = x.new_empty(x.shape[0], rows)
+    if not use_kernels(x):
+        out.copy_(macko_spmv_reference(values, deltas, row_ptr, x, out if accumulate else None))
+        return out
+    if x.dim() != 2 or x.shape[0] > MACKO_SPMM_MAX_TOKENS:
+        raise FormatError(f"macko_tensor_core_spmm takes x [T, K] with T <= {MACKO_SPMM_MAX_TOKENS}, got {tuple(x.shape)}")
+    splits = k_splits or macko_k_splits(rows, x.shape[1], x.device)
+    tiles = -(-rows // MACKO_TILE_ROWS)
+    partials = (torch.empty(splits, MACKO_SPMM_MAX_TOKENS, tiles * MACKO_TILE_ROWS, dtype=torch.float32,
+                            device=x.device) if splits > 1 else x.new_empty(0, dtype=torch.float32))
+    torch.ops.minfer.macko_tensor_core_spmm(values, deltas, row_ptr, window_table, x, out, partials,
+                                            _macko_tile_counters(x.device, tiles), splits, steps, accumulate)
+    return out
+
+
 def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, x: torch.Tensor,
                out: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-               accumulate: bool = False, silu_mul: bool = False, steps: int = 0, warps_per_block: int = 0,
-               x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
+               accumulate: bool = False, silu_mul: bool = False, window_table: torch.Tensor | None = None,
+               steps: int = 0, warps_per_block: int = 0, x_in_smem: int = -1, pipeline: int = 1) -> torch.Tensor:
     """out [T, N] = x [T, K] @ W.T for a MACKO matrix W [N, K] (N = row_ptr.numel() - 1); with
     `accumulate`, out += x @ W.T in place (the residual add of a Llama sublayer); with `norm_weight`
     g [K], x is replaced by its RMSNorm times g (eps as in the model); with `silu_mul`, W is the MLP's
@@ -422,7 +538,9 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     One kernel pass reads the compressed weights once for up to 16 tokens (more tokens take more
     passes; prefill should decompress instead). The kernel fuses the norm and silu_mul for one token
     of up to MACKO_FUSED_MAX_COLS columns (decode); other inputs run the rms_norm kernel before and the
-    silu_mul kernel after. `steps`, `warps_per_block`, `x_in_smem` are launch knobs for benchmarks, the
+    silu_mul kernel after. With the matrix's `window_table` (macko_window_table), MACKO_TENSOR_CORE_MIN_TOKENS
+    to 16 tokens run the tensor-core SpMM instead. `steps`, `warps_per_block`, `x_in_smem` are launch knobs for
+    benchmarks, the
     defaults (0, 0, -1) pick the tuned configuration; `pipeline=0` runs the reference kernel's
     schedule (one step loaded then decoded, x gathered from global memory). The op's schema has no
     defaults (a defaulted argument segfaulted another op on the device), so this wrapper passes every
@@ -439,12 +557,17 @@ def macko_spmv(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor
     if out is None:
         out = x.new_empty(x.shape[0], rows // 2 if silu_mul else rows)
     if use_kernels(x):
-        fuses = x.shape[0] == 1 and x.shape[1] <= MACKO_FUSED_MAX_COLS and pipeline != 0 and x_in_smem != 0
+        tensor_cores = window_table is not None and macko_uses_tensor_cores(x.shape[0])
+        fuses = (x.shape[0] == 1 and x.shape[1] <= MACKO_FUSED_MAX_COLS and pipeline != 0 and x_in_smem != 0
+                 and not tensor_cores)
         if norm_weight is not None and not fuses:
             x, norm_weight = rms_norm(x, norm_weight, eps), None
         spmv_out = x.new_empty(x.shape[0], rows) if silu_mul and not fuses else out
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, spmv_out, norm_weight, eps, steps, warps_per_block,
-                                    x_in_smem, pipeline, accumulate, silu_mul and fuses)
+        if tensor_cores:
+            macko_tensor_core_spmm(values, deltas, row_ptr, window_table, x, spmv_out, accumulate=accumulate)
+        else:
+            torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, spmv_out, norm_weight, eps, steps,
+                                        warps_per_block, x_in_smem, pipeline, accumulate, silu_mul and fuses)
         if spmv_out is not out:
             torch.ops.minfer.silu_mul(spmv_out, out)
     else:

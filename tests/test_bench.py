@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minfer import ops
 from minfer.bench import e2e_suite, kernel_suite, report
 from minfer.bench.arg_types import density_list, matrix_shape_list, positive_int
 from minfer.errors import MinferError
@@ -104,5 +105,9 @@ def test_benchmark_app_macko_suite_reports_every_baseline(tmp_path):
     for key in ("minfer_ms", "cublas_ms", "csr_ms", "reference_ms", "ref_schedule_ms"):
         assert spmv[key] > 0, key
     assert spmv["vs_reference"] == pytest.approx(spmv["reference_ms"] / spmv["minfer_ms"])
-    assert [row["tokens"] for row in macko["spmm"]] == [2, 4, 8, 16]
+    assert [row["tokens"] for row in macko["spmm"]] == [2, 4, 8, 12, 16]
+    for row in macko["spmm"]:
+        assert row["cuda_core_ms"] > 0 and row["tensor_core_ms"] > 0
+        tensor_cores = row["tokens"] >= ops.MACKO_TENSOR_CORE_MIN_TOKENS
+        assert row["minfer_ms"] == row["tensor_core_ms" if tensor_cores else "cuda_core_ms"]
     assert len(macko["decompress"]) == 1

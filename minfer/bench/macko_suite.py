@@ -34,7 +34,7 @@ E2E_DENSITIES = (1.0, 0.7, 0.5, 0.3, 0.1)
 DENSITIES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 SWEEP_DENSITIES = (0.1, 0.3, 0.5, 0.7)
 SWEEP = [dict(steps=s, warps_per_block=w, x_in_smem=m) for s in (1, 2) for w in (4, 8, 16) for m in (1, 0)]
-SPMM_TOKENS = (2, 4, 8, 16)
+SPMM_TOKENS = (2, 4, 8, 12, 16)
 SPMM_DENSITIES = (0.3, 0.5)
 REFERENCE_SCHEDULE = dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0)
 
@@ -50,7 +50,8 @@ COLUMNS = {
         ("shape", "shape"), ("density", "d", "{:.1f}"), ("config", "steps/warps/x-in-smem"),
         ("minfer_ms", "ms", "{:.4f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "spmm": [report.Column(*c) for c in [
-        ("shape", "shape"), ("density", "d", "{:.1f}"), ("tokens", "T"), ("minfer_ms", "minfer ms", "{:.4f}"),
+        ("shape", "shape"), ("density", "d", "{:.1f}"), ("tokens", "T"), ("cuda_core_ms", "CUDA-core ms", "{:.4f}"),
+        ("tensor_core_ms", "tensor-core ms", "{:.4f}"), ("path", "minfer takes"), ("minfer_ms", "minfer ms", "{:.4f}"),
         ("pct_copy", "% copy", "{:.1f}"), ("vs_spmv", "x SpMV time", "{:.2f}"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x")]],
     "decompress": [report.Column(*c) for c in [
@@ -101,6 +102,16 @@ class Matrix:
         x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
         out = torch.empty(tokens, self.n, device="cuda", dtype=self.dtype)
         return time_graph(lambda i: ops.macko_spmv(*macko[i], x, out=out, **knobs), copies, replays=replays)
+
+    def time_tensor_cores(self, tokens: int, replays: int, **knobs) -> float:
+        """The tensor-core SpMM at any token count (ops.macko_spmv takes it from MACKO_TENSOR_CORE_MIN_TOKENS)."""
+        table = ops.macko_window_table(*self.arrays, self.k)  # the same for every copy; read with each
+        copies = rotation_count(self.bytes(tokens) + table.numel() * 4)
+        macko = rotated(self.arrays, copies)
+        x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
+        out = torch.empty(tokens, self.n, device="cuda", dtype=self.dtype)
+        return time_graph(lambda i: ops.macko_tensor_core_spmm(*macko[i], table, x, out, **knobs), copies,
+                          replays=replays)
 
     def time_dense(self, tokens: int, replays: int, op: Callable) -> float:
         weights = rotated((self.dense(),), rotation_count(2 * self.n * self.k))
@@ -174,9 +185,14 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
             if "spmm" in sections and density in SPMM_DENSITIES:
                 spmv_ms = m.time_macko(1, replays)
                 for tokens in SPMM_TOKENS:
-                    ms = m.time_macko(tokens, replays)
+                    cuda_core_ms = m.time_macko(tokens, replays)
+                    tensor_core_ms = m.time_tensor_cores(tokens, replays)
+                    tensor_cores = ops.macko_uses_tensor_cores(tokens)
+                    ms = tensor_core_ms if tensor_cores else cuda_core_ms
                     cublas_ms = m.time_dense(tokens, replays, F.linear)
-                    emit("spmm", {"shape": m.shape, "density": density, "tokens": tokens, "minfer_ms": ms,
+                    emit("spmm", {"shape": m.shape, "density": density, "tokens": tokens,
+                                  "cuda_core_ms": cuda_core_ms, "tensor_core_ms": tensor_core_ms,
+                                  "path": "tensor cores" if tensor_cores else "CUDA cores", "minfer_ms": ms,
                                   "pct_copy": bandwidth(m.bytes(tokens), ms, copy_gbs)[1], "vs_spmv": ms / spmv_ms,
                                   "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms})
             if "decompress" in sections and density == 0.5:

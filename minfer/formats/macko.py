@@ -130,6 +130,7 @@ class MackoWeight(WeightFormat):
         self.register_buffer("values", values)
         self.register_buffer("deltas", deltas)
         self.register_buffer("row_ptr", row_ptr)
+        self._window_table: torch.Tensor | None = None
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, density: float | None = None) -> MackoWeight:
@@ -158,8 +159,19 @@ class MackoWeight(WeightFormat):
         elif flat.shape[0] > ops.MACKO_SPMM_MAX_TOKENS and ops.use_kernels(flat):
             out = self._prefill(flat)
         else:
-            out = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat)
+            out = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat,
+                                 window_table=self.window_table_for(flat))
         return out.view(*x.shape[:-1], self.out_features)
+
+    def window_table_for(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The tensor-core SpMM's window table when `flat` [T, K] takes that kernel, else None. Built on
+        first use (the arrays must not change after it) and kept: about 1% of the format's bytes at
+        d = 0.5; decode (one token) and long prefills never build it."""
+        if not (ops.use_kernels(flat) and ops.macko_uses_tensor_cores(flat.shape[0])):
+            return None
+        if self._window_table is None or self._window_table.device != self.values.device:
+            self._window_table = ops.macko_window_table(self.values, self.deltas, self.row_ptr, self.in_features)
+        return self._window_table
 
     def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
         """Long inputs: decompress a block of rows at a time into the shared scratch buffer and
@@ -193,7 +205,7 @@ class MackoWeight(WeightFormat):
         adds_in_place = residual is not None and residual.is_contiguous() and not silu_mul
         y = ops.macko_spmv(self.values, self.deltas, self.row_ptr, flat, norm_weight=norm_weight, eps=eps,
                            out=residual.view(tokens, self.out_features) if adds_in_place else None,
-                           accumulate=adds_in_place, silu_mul=silu_mul)
+                           accumulate=adds_in_place, silu_mul=silu_mul, window_table=self.window_table_for(flat))
         if adds_in_place:
             return residual
         y = y.view(*x.shape[:-1], y.shape[-1])
