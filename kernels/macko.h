@@ -41,8 +41,8 @@ void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t*
 // window table [rows][windows - 1] (windows = ceil(cols / kMackoWindowCols)) holds, for windows 1..,
 // where each row's run starts: (first entry in or past the window, less the row's first entry) << 4 |
 // (window start - (that entry's column - its nibble)), the second field in 0..15 (0 for an empty run).
-constexpr int kMackoWindowCols = 512;
-constexpr int kMackoTileRows = 64;          // rows of one tensor-core SpMM block
+constexpr int kMackoWindowCols = 1024;
+constexpr int kMackoTileRows = 32;          // rows of one tensor-core SpMM block
 constexpr int kMackoTensorCoreTokens = 16;  // tokens of one tensor-core SpMM pass (the mma's M)
 
 // out[t, r] (+)= sum_c W[r, c] * x[t, c] for tokens <= 16 on the tensor cores: each block walks the runs

@@ -1,14 +1,15 @@
-// MACKO-16-4 SpMM on the tensor cores, for 2-16 tokens (batched decode, speculative verification).
+// MACKO-16-4 SpMM on the tensor cores, for 9-16 tokens (batched decode, speculative verification).
 //
 // The CUDA-core SpMM (macko_spmv.cu) costs each stored entry T FMAs and T / 8 shared loads; past 8
 // tokens it loses to dense cuBLAS (docs/perf-notes.md, session 19). Here each entry costs one 2-byte
 // shared store: a block takes kMackoTileRows rows and walks them window by window (kMackoWindowCols
-// columns). In each window every warp scatters the runs of its 4 rows into a dense [64][512] tile in
-// shared memory (the window table says where each row's run starts, so runs are walked like rows),
-// then the 16 warps multiply the tile with the window of x (mma.sync m16n8k16: M = 16 tokens, N = 8
-// tile rows, K = 16 columns; warp w takes rows 8 (w % 8).. and half w / 8 of the window) and zero what
-// they read. x's next window is staged meanwhile into the other of two buffers. Rows too few to fill
-// the GPU are split over k_splits shares of the windows; the last block of a tile adds the shares.
+// columns). In each window every warp scatters the runs of its rows into a dense tile in shared memory
+// (the window table says where each row's run starts, on a whole chunk, so runs are walked like rows and
+// a run's last chunk may spill past the window), then the 16 warps multiply the tile with the window of
+// x (mma.sync m16n8k16: M = 16 tokens, N = 8 tile rows, K = 16 columns; warp w takes rows 8 (w % 4)..
+// and quarter w / 4 of the window), clear what they read and move the spill to the tile's start. Rows
+// too few to fill the GPU are split over k_splits shares of the windows; the last block of a tile adds
+// the shares.
 #include <mutex>
 
 #include "macko.h"
@@ -23,8 +24,8 @@ constexpr int kTcThreads = kTcWarps * kWarpSize;
 constexpr int kRowsPerWarp = kMackoTileRows / kTcWarps;
 constexpr int kDefaultTcSteps = 1;  // runs of one window are ~1 step at d = 0.3-0.5 (session 23)
 constexpr int kNTiles = kMackoTileRows / 8;             // mma N = 8 rows
-constexpr int kWindowHalves = kTcWarps / kNTiles;       // warps sharing one n-tile split the window
-constexpr int kHalfCols = kMackoWindowCols / kWindowHalves;
+constexpr int kWindowParts = kTcWarps / kNTiles;        // warps sharing one n-tile split the window
+constexpr int kPartCols = kMackoWindowCols / kWindowParts;
 // A run ends on a whole chunk, so its last chunk may reach up to 7 entries (112 columns) into the next
 // window: the tile keeps those columns past the window and moves them to its start for the next one.
 constexpr int kSpillCols = 128;
@@ -32,13 +33,13 @@ constexpr int kTileStride = kMackoWindowCols + kSpillCols + 8;  // elements per 
 constexpr int kXStride = kMackoWindowCols + 8;
 constexpr int kTokens = kMackoTensorCoreTokens;
 constexpr int kOriginBias = 15;  // the window table's origin field: origin + 15 in 7 bits
-static_assert(kMackoTileRows % kTcWarps == 0 && kTcWarps % kNTiles == 0 && kHalfCols % 32 == 0, "tile split");
+static_assert(kMackoTileRows % kTcWarps == 0 && kTcWarps % kNTiles == 0 && kPartCols % 32 == 0, "tile split");
 
 constexpr int kTileBytes = kMackoTileRows * kTileStride * 2;
 constexpr int kXBytes = kTokens * kXStride * 2;
-constexpr int kHalvesBytes = (kWindowHalves - 1) * kNTiles * kWarpSize * 4 * (int)sizeof(float);
+constexpr int kHalvesBytes = (kWindowParts - 1) * kNTiles * kWarpSize * 4 * (int)sizeof(float);
 constexpr int kTcSmemBytes = kTileBytes + kXBytes + kHalvesBytes;
-static_assert(kWindowHalves == 2 && kSpillCols <= kHalfCols, "half 0 moves the spill into its own columns");
+static_assert(kSpillCols <= kPartCols, "part 0 moves the spill into its own columns");
 
 // The runs one block walks: rows row0 + i * kTcWarps + warp (i < kRowsPerWarp) in windows
 // w_begin.. (run k: window w_begin + k / kRowsPerWarp, row i = k % kRowsPerWarp). Rows past the
@@ -93,7 +94,7 @@ struct WindowRuns {
 extern __shared__ __align__(16) unsigned char tc_smem[];
 __device__ __forceinline__ uint16_t* tile_rows() { return reinterpret_cast<uint16_t*>(tc_smem); }
 __device__ __forceinline__ uint16_t* x_window() { return reinterpret_cast<uint16_t*>(tc_smem + kTileBytes); }
-__device__ __forceinline__ float4* half_sums() { return reinterpret_cast<float4*>(tc_smem + kTileBytes + kXBytes); }
+__device__ __forceinline__ float4* part_sums() { return reinterpret_cast<float4*>(tc_smem + kTileBytes + kXBytes); }
 
 template <typename T>
 struct TileConsumer {
@@ -189,26 +190,26 @@ struct TileConsumer {
         cp_async_wait<0>();  // this thread's copies of x's window w
         __syncthreads();     // the window's runs are in the tile, x's window is staged
         const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-        const int n_tile = warp % kNTiles, half = warp / kNTiles;
-        multiply<kHalfCols>(half * kHalfCols);
+        const int n_tile = warp % kNTiles, part = warp / kNTiles;
+        multiply<kPartCols>(part * kPartCols);
         __syncwarp();  // every lane's ldmatrix has read the rows before any lane clears them
-        // The warp's 8 rows, 16-byte vectors: half 0 moves the spill to the row start and clears the
-        // rest of its columns and the spill; half 1 clears its columns.
+        // The warp's 8 rows, 16-byte vectors: part 0 moves the spill to the row start and clears the
+        // rest of its columns and the spill; the other parts clear their columns.
         uint4* rows = reinterpret_cast<uint4*>(tile_rows() + n_tile * 8 * kTileStride);
-        constexpr int kRowVectors = kTileStride / 8, kSpillVectors = kSpillCols / 8, kHalfVectors = kHalfCols / 8;
+        constexpr int kRowVectors = kTileStride / 8, kSpillVectors = kSpillCols / 8, kPartVectors = kPartCols / 8;
         const uint4 zero = make_uint4(0, 0, 0, 0);
-        if (half == 0) {
+        if (part == 0) {
             for (int i = lane; i < 8 * kSpillVectors; i += kWarpSize) {
                 uint4* row = rows + (i / kSpillVectors) * kRowVectors;
                 const int v = i % kSpillVectors;
                 row[v] = row[kMackoWindowCols / 8 + v];
                 row[kMackoWindowCols / 8 + v] = zero;
             }
-            for (int i = lane; i < 8 * (kHalfVectors - kSpillVectors); i += kWarpSize)
-                rows[(i / (kHalfVectors - kSpillVectors)) * kRowVectors + kSpillVectors + i % (kHalfVectors - kSpillVectors)] = zero;
+            for (int i = lane; i < 8 * (kPartVectors - kSpillVectors); i += kWarpSize)
+                rows[(i / (kPartVectors - kSpillVectors)) * kRowVectors + kSpillVectors + i % (kPartVectors - kSpillVectors)] = zero;
         } else {
-            for (int i = lane; i < 8 * kHalfVectors; i += kWarpSize)
-                rows[(i / kHalfVectors) * kRowVectors + kHalfVectors + i % kHalfVectors] = zero;
+            for (int i = lane; i < 8 * kPartVectors; i += kWarpSize)
+                rows[(i / kPartVectors) * kRowVectors + part * kPartVectors + i % kPartVectors] = zero;
         }
         __syncthreads();
         if (w + 1 >= (cols + kMackoWindowCols - 1) / kMackoWindowCols) return;
@@ -216,7 +217,7 @@ struct TileConsumer {
         if (w + 1 < w_end) return;
         cp_async_wait<0>();
         __syncthreads();
-        if (half == 0) multiply<kSpillCols>(0);
+        if (part == 0) multiply<kSpillCols>(0);
     }
 };
 
@@ -238,9 +239,9 @@ __global__ void __launch_bounds__(kTcThreads, 2)
                               (w_end - w_begin) * kRowsPerWarp};
     walk_groups<STEPS>(values, deltas, runs, runs.end(), 0, lane, consumer);
 
-    // The warps of one n-tile hold sums over different halves of every window: add them.
+    // The warps of one n-tile hold sums over different parts of every window: add them.
     const int n_tile = warp % kNTiles;
-    float4* mine = half_sums() + (n_tile * kWarpSize + lane);
+    float4* mine = part_sums() + (n_tile * kWarpSize + lane);
     if (warp >= kNTiles) mine[(warp / kNTiles - 1) * kNTiles * kWarpSize] =
         make_float4(consumer.acc[0], consumer.acc[1], consumer.acc[2], consumer.acc[3]);
     __syncthreads();
@@ -249,7 +250,7 @@ __global__ void __launch_bounds__(kTcThreads, 2)
     const int64_t padded_rows = (int64_t)gridDim.x * kMackoTileRows;
     if (warp < kNTiles) {
         float c[4] = {consumer.acc[0], consumer.acc[1], consumer.acc[2], consumer.acc[3]};
-        for (int h = 1; h < kWindowHalves; ++h) {
+        for (int h = 1; h < kWindowParts; ++h) {
             const float4 o = mine[(h - 1) * kNTiles * kWarpSize];
             c[0] += o.x;
             c[1] += o.y;

@@ -397,8 +397,8 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
     return dense
 
 
-MACKO_WINDOW_COLS = 512  # kernels/macko.h, kMackoWindowCols
-MACKO_TILE_ROWS = 64  # kernels/macko.h, kMackoTileRows
+MACKO_WINDOW_COLS = 1024  # kernels/macko.h, kMackoWindowCols
+MACKO_TILE_ROWS = 32  # kernels/macko.h, kMackoTileRows
 _ORIGIN_BIAS = 15  # kernels/macko.h: a run's origin, -15 to 112, is stored plus this
 _WINDOW_TABLE_ENTRIES = 1 << 24  # entries handled at once (bounds the temporaries)
 
@@ -479,7 +479,7 @@ def macko_uses_tensor_cores(tokens: int) -> bool:
 
 def macko_k_splits(rows: int, cols: int, device: torch.device) -> int:
     """Shares of the column windows for the tensor-core SpMM: enough blocks for every block slot of the
-    GPU (a 4096-row matrix has 64 tiles of rows), in equal shares of whole windows."""
+    GPU (a 4096-row matrix has 128 tiles of rows), in equal shares of whole windows."""
     windows = max(1, -(-cols // MACKO_WINDOW_COLS))
     tiles = max(1, -(-rows // MACKO_TILE_ROWS))
     slots = MACKO_TENSOR_CORE_BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count

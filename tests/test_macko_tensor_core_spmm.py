@@ -129,9 +129,10 @@ def test_tensor_core_spmm_rows_at_window_edges():
 def test_tensor_core_spmm_every_k_split_and_fixed_order():
     """Every share count gives the product; one share count gives the same bits on every call, and the
     tiles' arrival counters are zero again after each call."""
-    matrix = sparse_matrix(200, 4097, 0.3, seed=5)  # 9 windows
+    cols = 4 * WINDOW + 1
+    matrix = sparse_matrix(200, cols, 0.3, seed=5)
     reference = None
-    for k_splits in range(1, 10):
+    for k_splits in range(1, 6):  # every share count of the 5 windows
         out, x = tensor_core_product(matrix, 6, seed=5, k_splits=k_splits)
         assert relative_error(out, matrix, x) < 2e-3
         again, _ = tensor_core_product(matrix, 6, k_splits=k_splits, x=x)
@@ -160,10 +161,11 @@ def test_tensor_core_spmm_unaligned_x_and_odd_columns():
 @requires_cuda
 @pytest.mark.parametrize("k_splits", [1, 3])
 def test_tensor_core_spmm_accumulates(k_splits):
-    matrix = sparse_matrix(100, 1500, 0.5, seed=2)
+    cols = 2 * WINDOW + 476  # 3 windows
+    matrix = sparse_matrix(100, cols, 0.5, seed=2)
     values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, 1500)
-    x = torch.randn(4, 1500, device="cuda").half()
+    table = ops.macko_window_table(values, deltas, row_ptr, cols)
+    x = torch.randn(4, cols, device="cuda").half()
     residual = torch.randn(4, 100, device="cuda").half()
     out = residual.clone()
     ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, x, out, accumulate=True, k_splits=k_splits)
@@ -173,28 +175,31 @@ def test_tensor_core_spmm_accumulates(k_splits):
 
 @requires_cuda
 def test_tensor_core_spmm_refuses_bad_inputs():
-    matrix = sparse_matrix(10, 1100, 0.5, seed=1)
+    cols = 2 * WINDOW + 50  # 3 windows
+    matrix = sparse_matrix(10, cols, 0.5, seed=1)
     values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, 1100)
-    x = torch.randn(3, 1100, device="cuda").half()
+    table = ops.macko_window_table(values, deltas, row_ptr, cols)
+    x = torch.randn(3, cols, device="cuda").half()
     out = torch.empty(3, 10, device="cuda").half()
     with pytest.raises(RuntimeError, match="window_table must be int32"):  # one window short
         ops.macko_tensor_core_spmm(values, deltas, row_ptr, table[:, :1].contiguous(), x, out)
     with pytest.raises(RuntimeError, match="k_splits must be in"):
         ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, x, out, k_splits=4)
     with pytest.raises(ops.FormatError, match="T <= 16"):
-        ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, torch.randn(17, 1100, device="cuda").half())
+        ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, torch.randn(17, cols, device="cuda").half())
 
 
 @requires_cuda
 def test_tensor_core_spmm_opcheck():
-    matrix = sparse_matrix(70, 1100, 0.3, seed=4)
+    cols = 2 * WINDOW + 50  # 3 windows
+    matrix = sparse_matrix(70, cols, 0.3, seed=4)
     values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, 1100)
-    x = torch.randn(6, 1100, device="cuda", dtype=torch.float16)
+    table = ops.macko_window_table(values, deltas, row_ptr, cols)
+    x = torch.randn(6, cols, device="cuda", dtype=torch.float16)
     out = torch.empty(6, 70, device="cuda", dtype=torch.float16)
-    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-    partials = torch.empty(3, 16, 128, device="cuda")
+    tiles = -(-70 // ops.MACKO_TILE_ROWS)
+    counters = torch.zeros(tiles, dtype=torch.int32, device="cuda")
+    partials = torch.empty(3, 16, tiles * ops.MACKO_TILE_ROWS, device="cuda")
     torch.library.opcheck(torch.ops.minfer.macko_tensor_core_spmm,
                           (values, deltas, row_ptr, table, x, out, partials, counters, 3, 0, False))
     torch.library.opcheck(torch.ops.minfer.macko_tensor_core_spmm,

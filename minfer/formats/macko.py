@@ -165,7 +165,7 @@ class MackoWeight(WeightFormat):
 
     def window_table_for(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The tensor-core SpMM's window table when `flat` [T, K] takes that kernel, else None. Built on
-        first use (the arrays must not change after it) and kept: about 1% of the format's bytes at
+        first use (the arrays must not change after it) and kept: about 0.25% of the format's bytes at
         d = 0.5; decode (one token) and long prefills never build it."""
         if not (ops.use_kernels(flat) and ops.macko_uses_tensor_cores(flat.shape[0])):
             return None
