@@ -222,6 +222,20 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
 
+def assert_graph_replays_read_new_inputs(product, matrix, x, out):
+    """`product()` (x -> out) captured in a CUDA graph after a warm-up gives W x for new x at each replay."""
+    product()  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        product()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, matrix, x) < 2e-3
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 16])
 def test_cuda_graph_replay_uses_new_inputs(tokens):
     """One token (x staged as fp32) and SpMM passes (x tiles) read the inputs of each replay."""
@@ -229,16 +243,7 @@ def test_cuda_graph_replay_uses_new_inputs(tokens):
     values, deltas, row_ptr = compress(matrix)
     x = torch.randn(tokens, 777, device="cuda", dtype=torch.float16)
     out = torch.empty(tokens, 300, device="cuda", dtype=torch.float16)
-    ops.macko_spmv(values, deltas, row_ptr, x, out=out)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.macko_spmv(values, deltas, row_ptr, x, out=out)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert relative_error(out, matrix, x) < 2e-3
+    assert_graph_replays_read_new_inputs(lambda: ops.macko_spmv(values, deltas, row_ptr, x, out=out), matrix, x, out)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 40])
@@ -305,14 +310,15 @@ def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
     both are 16-byte aligned, one by one otherwise), with and without the residual add."""
     matrix = sparse_matrix(rows, cols, 0.5, dtype=dtype, seed=rows + cols)
     values, deltas, row_ptr = compress(matrix)
-    x = (torch.randn(1, cols, device="cuda") * 3).to(dtype)
-    g_storage = (torch.rand(cols + 1, device="cuda") + 0.5).to(dtype)
+    generator = torch.Generator(device="cuda").manual_seed(3 * (rows + cols) + 1)  # not the matrix's stream
+    x = (torch.randn(1, cols, device="cuda", generator=generator) * 3).to(dtype)
+    g_storage = (torch.rand(cols + 1, device="cuda", generator=generator) + 0.5).to(dtype)
     g = g_storage[:cols] if aligned else g_storage[1:]
     tolerance = 1e-2 if dtype == torch.bfloat16 else 2e-3
     out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5)
     expected = normed_product(x, g, matrix)
     assert relative_difference(out, expected) < tolerance
-    residual = torch.randn(1, rows, device="cuda").to(dtype)
+    residual = torch.randn(1, rows, device="cuda", generator=generator).to(dtype)
     expected = expected + residual.double()
     ops.macko_spmv(values, deltas, row_ptr, x, out=residual, norm_weight=g, eps=1e-5, accumulate=True)
     assert relative_difference(residual, expected) < tolerance

@@ -7,7 +7,8 @@ import torch
 from minfer import ops
 from minfer.formats.macko import MackoWeight, compress
 from tests.conftest import requires_cuda
-from tests.test_macko_kernels import relative_difference, relative_error, sparse_matrix
+from tests.test_macko_kernels import (assert_graph_replays_read_new_inputs, relative_difference, relative_error,
+                                     sparse_matrix)
 
 WINDOW = ops.MACKO_WINDOW_COLS
 
@@ -74,9 +75,14 @@ def test_window_table_refuses_arrays_wider_than_the_matrix():
         ops.macko_window_table(values, deltas, row_ptr, 1100)
 
 
-def tensor_core_product(matrix, tokens, seed=0, k_splits=0, x=None, steps=0):
+def compressed_with_table(matrix):
+    """values, deltas, row_ptr and the window table of `matrix`."""
     values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, matrix.shape[1])
+    return values, deltas, row_ptr, ops.macko_window_table(values, deltas, row_ptr, matrix.shape[1])
+
+
+def tensor_core_product(matrix, tokens, seed=0, k_splits=0, x=None, steps=0):
+    values, deltas, row_ptr, table = compressed_with_table(matrix)
     if x is None:
         generator = torch.Generator(device="cuda").manual_seed(seed)
         x = torch.randn(tokens, matrix.shape[1], device="cuda", generator=generator).to(matrix.dtype)
@@ -163,8 +169,7 @@ def test_tensor_core_spmm_unaligned_x_and_odd_columns():
 def test_tensor_core_spmm_accumulates(k_splits):
     cols = 2 * WINDOW + 476  # 3 windows
     matrix = sparse_matrix(100, cols, 0.5, seed=2)
-    values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, cols)
+    values, deltas, row_ptr, table = compressed_with_table(matrix)
     x = torch.randn(4, cols, device="cuda").half()
     residual = torch.randn(4, 100, device="cuda").half()
     out = residual.clone()
@@ -177,8 +182,7 @@ def test_tensor_core_spmm_accumulates(k_splits):
 def test_tensor_core_spmm_refuses_bad_inputs():
     cols = 2 * WINDOW + 50  # 3 windows
     matrix = sparse_matrix(10, cols, 0.5, seed=1)
-    values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, cols)
+    values, deltas, row_ptr, table = compressed_with_table(matrix)
     x = torch.randn(3, cols, device="cuda").half()
     out = torch.empty(3, 10, device="cuda").half()
     with pytest.raises(RuntimeError, match="window_table must be int32"):  # one window short
@@ -193,8 +197,7 @@ def test_tensor_core_spmm_refuses_bad_inputs():
 def test_tensor_core_spmm_opcheck():
     cols = 2 * WINDOW + 50  # 3 windows
     matrix = sparse_matrix(70, cols, 0.3, seed=4)
-    values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, cols)
+    values, deltas, row_ptr, table = compressed_with_table(matrix)
     x = torch.randn(6, cols, device="cuda", dtype=torch.float16)
     out = torch.empty(6, 70, device="cuda", dtype=torch.float16)
     tiles = -(-70 // ops.MACKO_TILE_ROWS)
@@ -210,20 +213,11 @@ def test_tensor_core_spmm_opcheck():
 @pytest.mark.parametrize("k_splits", [1, 2])
 def test_tensor_core_spmm_cuda_graph_replay_uses_new_inputs(k_splits):
     matrix = sparse_matrix(300, 1500, 0.5, seed=6)
-    values, deltas, row_ptr = compress(matrix)
-    table = ops.macko_window_table(values, deltas, row_ptr, 1500)
+    values, deltas, row_ptr, table = compressed_with_table(matrix)
     x = torch.randn(12, 1500, device="cuda", dtype=torch.float16)
     out = torch.empty(12, 300, device="cuda", dtype=torch.float16)
-    ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, x, out, k_splits=k_splits)  # warm-up
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, x, out, k_splits=k_splits)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert relative_error(out, matrix, x) < 2e-3
+    assert_graph_replays_read_new_inputs(
+        lambda: ops.macko_tensor_core_spmm(values, deltas, row_ptr, table, x, out, k_splits=k_splits), matrix, x, out)
 
 
 @requires_cuda
