@@ -18,7 +18,7 @@ from .kernel_suite import KernelCase, register
 # (N, K): fused qkv, o, fused gate_up, down, lm_head of Llama-2-7B.
 LLAMA2_7B_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]
 DENSITIES = (0.1, 0.3, 0.5, 0.7, 0.9)
-TOKEN_COUNTS = (1, 8)
+TOKEN_COUNTS = (1, 8, 16)  # 16: the tensor-core SpMM (ops.macko_uses_tensor_cores)
 
 
 def pruned_matrix(n: int, k: int, density: float, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -52,9 +52,11 @@ def macko_case(n: int, k: int, density: float, tokens: int, dtype: torch.dtype,
     def build(copies):
         macko = rotated(arrays, copies)
         dense_copies = rotated((ops.macko_decompress(*arrays, cols=k),), copies)
+        table = ops.macko_window_table(*arrays, k) if ops.macko_uses_tensor_cores(tokens) else None
         x = torch.randn(tokens, k, device="cuda", dtype=dtype)
         out = torch.empty(tokens, n, device="cuda", dtype=dtype)
-        return (lambda i: ops.macko_spmv(*macko[i], x, out=out)), (lambda i: F.linear(x, dense_copies[i][0]))
+        return ((lambda i: ops.macko_spmv(*macko[i], x, out=out, window_table=table)),
+                (lambda i: F.linear(x, dense_copies[i][0])))
 
     return KernelCase(op="macko", shape=f"{n}x{k} d{density} t{tokens}", dtype=dtype,
                       bytes=macko_bytes(arrays[0], arrays[2], n, k, tokens),
