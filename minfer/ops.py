@@ -478,14 +478,18 @@ def macko_uses_tensor_cores(tokens: int) -> bool:
 
 
 def macko_k_splits(rows: int, cols: int, device: torch.device) -> int:
-    """Shares of the column windows for the tensor-core SpMM: enough blocks for every block slot of the
-    GPU (a 4096-row matrix has 128 tiles of rows), in equal shares of whole windows."""
+    """Shares of the column windows for the tensor-core SpMM, in equal shares of whole windows: about
+    one block per block slot of the GPU (a 4096-row matrix has 128 tiles of rows: 2 shares on 132 SMs).
+    The nearest share count, not the next larger one: each share adds partial sums, a merge and a spill
+    product, and on an H100 4096 x 11008 took 56 us with 2 shares against 65 us with 3; matrices of at
+    least one block per slot take 1 (12288 x 4096: 59 us against 64 us with 2; docs/perf-notes.md,
+    session 23)."""
     windows = max(1, -(-cols // MACKO_WINDOW_COLS))
     tiles = max(1, -(-rows // MACKO_TILE_ROWS))
     slots = MACKO_TENSOR_CORE_BLOCKS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = min(windows, -(-slots // tiles))
-    per_split = -(-windows // wanted)
-    return -(-windows // per_split)
+    wanted = max(1, min(windows, round(slots / tiles)))
+    per_share = -(-windows // wanted)
+    return -(-windows // per_share)
 
 
 _macko_counters: dict[torch.device, torch.Tensor] = {}
