@@ -288,7 +288,8 @@ void macko_tensor_core_spmm(const at::Tensor& values, const at::Tensor& deltas, 
     MINFER_CHECK(tokens <= minfer::kMackoTensorCoreTokens, op, ": at most ", minfer::kMackoTensorCoreTokens,
                  " tokens per call, got ", tokens);
     MINFER_CHECK(out.size(0) == tokens && out.size(1) == rows, op, ": out must be [", tokens, ", ", rows, "]");
-    MINFER_CHECK(cols < INT32_MAX - minfer::kMackoWindowCols, op, ": x is too large");
+    MINFER_CHECK(cols <= minfer::kMackoTensorCoreMaxCols, op, ": at most ", minfer::kMackoTensorCoreMaxCols,
+                 " columns (the window table's entry field), got ", cols);
     MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(), op,
                  ": values, x and out must share one dtype");
     const int64_t windows = std::max<int64_t>(1, (cols + minfer::kMackoWindowCols - 1) / minfer::kMackoWindowCols);
@@ -302,6 +303,7 @@ void macko_tensor_core_spmm(const at::Tensor& values, const at::Tensor& deltas, 
     MINFER_CHECK(counters.scalar_type() == at::kInt && counters.dim() == 1 && counters.numel() >= tiles, op,
                  ": counters must be int32 with at least ", tiles, " entries, zero");
     MINFER_CHECK(k_splits == 1 || (partials.scalar_type() == at::kFloat && partials.dim() == 3 &&
+                                   reinterpret_cast<uintptr_t>(partials.data_ptr()) % 8 == 0 &&
                                    partials.size(0) == k_splits && partials.size(1) == minfer::kMackoTensorCoreTokens &&
                                    partials.size(2) == tiles * minfer::kMackoTileRows),
                  op, ": partials must be float32 [", k_splits, ", ", minfer::kMackoTensorCoreTokens, ", ",

@@ -37,11 +37,14 @@ void launch_macko_spmv(const void* values, const uint8_t* deltas, const int32_t*
                        const MackoNorm& norm, bool silu_mul, DType dtype, const MackoTuning& tuning,
                        cudaStream_t stream);
 
-// The tensor-core SpMM splits each row into runs of whole column windows of this many columns. A
-// window table [rows][windows - 1] (windows = ceil(cols / kMackoWindowCols)) holds, for windows 1..,
-// where each row's run starts: (first entry in or past the window, less the row's first entry) << 4 |
-// (window start - (that entry's column - its nibble)), the second field in 0..15 (0 for an empty run).
+// The tensor-core SpMM splits each row into runs of column windows of this many columns. A window table
+// [rows][windows - 1] (windows = ceil(cols / kMackoWindowCols)) holds, for windows 1.., where each row's
+// run starts: P = the row's first entry in or past the window, rounded up to a whole 8-entry chunk of the
+// values (at most the row's end); the entry is (P - the row's first entry) << 7 | (origin + 15), origin =
+// P's column - its nibble - the window's first column, in -15..112 (0 when P is the row's end). A run's
+// last chunk may so reach up to 112 columns into the next window.
 constexpr int kMackoWindowCols = 1024;
+constexpr int64_t kMackoTensorCoreMaxCols = 1 << 23;  // a row's entries fit the table's 24-bit field
 constexpr int kMackoTileRows = 32;          // rows of one tensor-core SpMM block
 constexpr int kMackoTensorCoreTokens = 16;  // tokens of one tensor-core SpMM pass (the mma's M)
 

@@ -399,6 +399,7 @@ def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_p
 
 MACKO_WINDOW_COLS = 1024  # kernels/macko.h, kMackoWindowCols
 MACKO_TILE_ROWS = 32  # kernels/macko.h, kMackoTileRows
+MACKO_TENSOR_CORE_MAX_COLS = 1 << 23  # kernels/macko.h, kMackoTensorCoreMaxCols
 _ORIGIN_BIAS = 15  # kernels/macko.h: a run's origin, -15 to 112, is stored plus this
 _WINDOW_TABLE_ENTRIES = 1 << 24  # entries handled at once (bounds the temporaries)
 
@@ -412,6 +413,8 @@ def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torc
     (origin + 15), where origin = P's column - its nibble - the window's first column (-15 to 112; 0 when P
     is the row's end). Vectorized, in blocks of rows."""
     stored = _check_macko_extent(values, deltas, row_ptr)
+    if cols > MACKO_TENSOR_CORE_MAX_COLS:
+        raise FormatError(f"the tensor-core SpMM takes at most {MACKO_TENSOR_CORE_MAX_COLS} columns, got {cols}")
     rows = row_ptr.numel() - 1
     windows = max(1, -(-cols // MACKO_WINDOW_COLS))
     table = torch.full((rows, windows - 1), _ORIGIN_BIAS, dtype=torch.int32, device=row_ptr.device)
@@ -492,15 +495,17 @@ def macko_k_splits(rows: int, cols: int, device: torch.device) -> int:
     return -(-windows // per_share)
 
 
-_macko_counters: dict[torch.device, torch.Tensor] = {}
+_macko_counters: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _macko_tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The arrival counters of the k-split SpMM's tiles: zero at rest (every launch leaves them zero)."""
-    counters = _macko_counters.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _macko_counters[device] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    return counters
+    """The arrival counters of the k-split SpMM's tiles: zero at rest (every launch leaves them zero). A
+    larger matrix gets a larger buffer; the smaller ones stay allocated, since CUDA graphs captured
+    earlier keep their addresses."""
+    buffers = _macko_counters.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < tiles:
+        buffers.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def macko_tensor_core_spmm(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,

@@ -69,10 +69,12 @@ def test_window_table_at_window_edges_and_in_row_blocks(monkeypatch):
     assert torch.equal(ops.macko_window_table(values, deltas, row_ptr, 2600), expected)
 
 
-def test_window_table_refuses_arrays_wider_than_the_matrix():
+def test_window_table_refuses_arrays_wider_than_the_matrix_and_too_many_columns():
     values, deltas, row_ptr = compress(torch.ones(2, 1200).half())
     with pytest.raises(ops.FormatError, match="past column"):
         ops.macko_window_table(values, deltas, row_ptr, 1100)
+    with pytest.raises(ops.FormatError, match="at most 8388608 columns"):
+        ops.macko_window_table(values, deltas, row_ptr, ops.MACKO_TENSOR_CORE_MAX_COLS + 1)
 
 
 def compressed_with_table(matrix):
@@ -143,7 +145,7 @@ def test_tensor_core_spmm_every_k_split_and_fixed_order():
         assert relative_error(out, matrix, x) < 2e-3
         again, _ = tensor_core_product(matrix, 6, k_splits=k_splits, x=x)
         assert torch.equal(out, again)
-        assert int(ops._macko_counters[x.device].abs().sum()) == 0
+        assert all(int(counters.abs().sum()) == 0 for counters in ops._macko_counters[x.device])
         if reference is not None:
             assert relative_difference(out, reference.double()) < 2e-3
         reference = out
@@ -231,3 +233,19 @@ def test_weight_takes_the_tensor_cores_from_their_token_count(tokens):
     assert relative_error(weight(x), matrix, x) < 2e-3
     assert relative_difference(weight.project(x, residual=residual.clone()), expected) < 2e-3
     assert (weight._window_table is not None) == ops.macko_uses_tensor_cores(tokens)
+
+
+@requires_cuda
+def test_weight_builds_its_table_outside_graph_capture_and_again_after_a_load():
+    """Even and odd columns: the same entry counts (so load_state_dict fits the buffers), other tables."""
+    even, odd = torch.zeros(64, 1300, device="cuda"), torch.zeros(64, 1300, device="cuda")
+    even[:, 0::2], odd[:, 1::2] = torch.randn(64, 650, device="cuda"), torch.randn(64, 650, device="cuda")
+    even, odd = even.half(), odd.half()
+    weight = MackoWeight.from_dense(even)
+    x = torch.randn(10, 1300, device="cuda", dtype=torch.float16)
+    with pytest.raises(ops.FormatError, match="before capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            weight(x)
+    assert relative_error(weight(x), even, x) < 2e-3
+    weight.load_state_dict(MackoWeight.from_dense(odd).state_dict())
+    assert relative_error(weight(x), odd, x) < 2e-3

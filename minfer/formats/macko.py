@@ -170,8 +170,16 @@ class MackoWeight(WeightFormat):
         if not (ops.use_kernels(flat) and ops.macko_uses_tensor_cores(flat.shape[0])):
             return None
         if self._window_table is None or self._window_table.device != self.values.device:
+            if torch.cuda.is_current_stream_capturing():
+                raise FormatError(f"a MACKO layer builds its window table on its first call of "
+                                  f"{ops.MACKO_TENSOR_CORE_MIN_TOKENS}-{ops.MACKO_SPMM_MAX_TOKENS} tokens, which "
+                                  "cannot run inside a CUDA graph capture: make one such call before capturing")
             self._window_table = ops.macko_window_table(self.values, self.deltas, self.row_ptr, self.in_features)
         return self._window_table
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._window_table = None  # built again from the loaded arrays
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
         """Long inputs: decompress a block of rows at a time into the shared scratch buffer and
