@@ -433,8 +433,11 @@ def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torc
         block_nibbles = nibbles[begin:end].long()
         row_of, col_of = _macko_entry_columns(block_nibbles, bounds - begin)
         _check_macko_columns(col_of, cols)
-        count = torch.bincount(row_of * windows + col_of // MACKO_WINDOW_COLS, minlength=(bounds.numel() - 1) * windows)
-        inside = row_starts + count.view(-1, windows).cumsum(1)[:, :-1]  # the first entry from window w on
+        # (row, window) keys are sorted (rows in order, columns rising): the first entry from window w on
+        # is where key (row, w) would go
+        keys = row_of * windows + col_of // MACKO_WINDOW_COLS
+        block_rows_here = torch.arange(bounds.numel() - 1, device=keys.device)[:, None]
+        inside = begin + torch.searchsorted(keys, block_rows_here * windows + window_starts // MACKO_WINDOW_COLS)
         run_start = torch.minimum((inside + 7) & ~7, row_ends)  # absolute: chunks are 8-entry aligned
         at = (run_start - begin).clamp(max=end - begin - 1)
         origin = torch.where(run_start < row_ends, col_of[at] - block_nibbles[at] - window_starts, 0)
