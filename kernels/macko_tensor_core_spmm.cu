@@ -37,8 +37,8 @@ static_assert(kMackoTileRows % kTcWarps == 0 && kTcWarps % kNTiles == 0 && kPart
 
 constexpr int kTileBytes = kMackoTileRows * kTileStride * 2;
 constexpr int kXBytes = kTokens * kXStride * 2;
-constexpr int kHalvesBytes = (kWindowParts - 1) * kNTiles * kWarpSize * 4 * (int)sizeof(float);
-constexpr int kTcSmemBytes = kTileBytes + kXBytes + kHalvesBytes;
+constexpr int kPartSumsBytes = (kWindowParts - 1) * kNTiles * kWarpSize * 4 * (int)sizeof(float);
+constexpr int kTcSmemBytes = kTileBytes + kXBytes + kPartSumsBytes;
 static_assert(kSpillCols <= kPartCols, "part 0 moves the spill into its own columns");
 
 // The runs one block walks: rows row0 + i * kTcWarps + warp (i < kRowsPerWarp) in windows
