@@ -2,8 +2,9 @@
 
 `compress` turns a dense matrix into the reference library's three arrays (macko_spmv v0.2.0),
 array for array, vectorized in torch on the matrix's device. `MackoWeight` keeps them as buffers
-and multiplies with the SpMV/SpMM kernel for up to 16 tokens (decode, batched decode, speculative
-verification). Longer inputs (prefill) decompress blocks of rows into one 64 MB scratch buffer
+and multiplies with the SpMV/SpMM kernel for up to 8 tokens (decode, batched decode) and the
+tensor-core SpMM for 9-16 (speculative verification; it needs a window table, built on first use).
+Longer inputs (prefill) decompress blocks of rows into one 64 MB scratch buffer
 shared by every MACKO layer and run dense matmuls, so no dense copy of the model is ever kept.
 """
 
