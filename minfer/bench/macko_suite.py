@@ -96,22 +96,19 @@ class Matrix:
     def dense(self) -> torch.Tensor:
         return ops.macko_decompress(*self.arrays, cols=self.k)
 
-    def time_macko(self, tokens: int, replays: int, **knobs) -> float:
-        copies = rotation_count(self.bytes(tokens))
+    def time_macko(self, tokens: int, replays: int, tensor_cores: bool = False, **knobs) -> float:
+        """ops.macko_spmv as given (no window table: the CUDA-core kernel for 2-16 tokens), or with
+        `tensor_cores` the tensor-core SpMM at any token count (macko_spmv takes it from
+        MACKO_TENSOR_CORE_MIN_TOKENS when given the table)."""
+        table = ops.macko_window_table(*self.arrays, self.k) if tensor_cores else None  # one for every copy
+        copies = rotation_count(self.bytes(tokens) + (table.numel() * 4 if tensor_cores else 0))
         macko = rotated(self.arrays, copies)
         x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
         out = torch.empty(tokens, self.n, device="cuda", dtype=self.dtype)
+        if tensor_cores:
+            return time_graph(lambda i: ops.macko_tensor_core_spmm(*macko[i], table, x, out, **knobs), copies,
+                              replays=replays)
         return time_graph(lambda i: ops.macko_spmv(*macko[i], x, out=out, **knobs), copies, replays=replays)
-
-    def time_tensor_cores(self, tokens: int, replays: int, **knobs) -> float:
-        """The tensor-core SpMM at any token count (ops.macko_spmv takes it from MACKO_TENSOR_CORE_MIN_TOKENS)."""
-        table = ops.macko_window_table(*self.arrays, self.k)  # the same for every copy; read with each
-        copies = rotation_count(self.bytes(tokens) + table.numel() * 4)
-        macko = rotated(self.arrays, copies)
-        x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
-        out = torch.empty(tokens, self.n, device="cuda", dtype=self.dtype)
-        return time_graph(lambda i: ops.macko_tensor_core_spmm(*macko[i], table, x, out, **knobs), copies,
-                          replays=replays)
 
     def time_dense(self, tokens: int, replays: int, op: Callable) -> float:
         weights = rotated((self.dense(),), rotation_count(2 * self.n * self.k))
@@ -186,7 +183,7 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
                 spmv_ms = m.time_macko(1, replays)
                 for tokens in SPMM_TOKENS:
                     cuda_core_ms = m.time_macko(tokens, replays)
-                    tensor_core_ms = m.time_tensor_cores(tokens, replays)
+                    tensor_core_ms = m.time_macko(tokens, replays, tensor_cores=True)
                     tensor_cores = ops.macko_uses_tensor_cores(tokens)
                     ms = tensor_core_ms if tensor_cores else cuda_core_ms
                     cublas_ms = m.time_dense(tokens, replays, F.linear)
