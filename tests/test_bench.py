@@ -2,13 +2,14 @@
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from minfer import ops
-from minfer.bench import e2e_suite, kernel_suite, report
+from minfer.bench import e2e_suite, kernel_suite, report, timing
 from minfer.bench.arg_types import density_list, matrix_shape_list, positive_int
 from minfer.errors import MinferError
 from tests.conftest import requires_cuda
@@ -90,6 +91,16 @@ def test_benchmark_app_refuses_zero_replays(capsys):
 def test_benchmark_app_rejects_a_bad_macko_shape(capsys):
     assert load_app(BENCHMARK_APP).main(["--suite", "macko", "--shapes", "4096"]) == 2
     assert "--shapes: shapes must be NxK" in capsys.readouterr().err
+
+
+@requires_cuda
+def test_warm_up_runs_for_its_count_and_its_time():
+    """Timing starts only after WARMUP_REPLAYS runs and WARMUP_MS (a fresh matrix's first replays are slow)."""
+    calls = []
+    start = time.perf_counter()
+    timing.warm_up(lambda: calls.append(torch.ones(1, device="cuda")))
+    assert len(calls) >= timing.WARMUP_REPLAYS
+    assert (time.perf_counter() - start) * 1e3 >= timing.WARMUP_MS
 
 
 @requires_cuda

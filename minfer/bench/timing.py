@@ -1,8 +1,10 @@
-"""GPU timing: back-to-back launches inside a CUDA graph, inputs rotated past L2, median of replays."""
+"""GPU timing: back-to-back launches inside a CUDA graph, inputs rotated past L2, a warm-up of fixed
+length, median of replays."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -14,12 +16,30 @@ def rotation_count(bytes_per_call: int, l2_multiple: float = 4.0, max_copies: in
     return max(2, min(max_copies, int(l2 * l2_multiple // max(bytes_per_call, 1)) + 1))
 
 
-def time_graph(run: Callable[[int], None], copies: int, replays: int = 20, warmup: int = 3) -> float:
+# Untimed replays before timing. On an H100 a freshly built 32000x4096 MACKO matrix ran its first ~30
+# back-to-back replays (~5 ms) 15% slower than every later one, whatever the idle time before them
+# (docs/perf-notes.md, session 24); the 3 replays used before timed that slow start.
+WARMUP_MS = 25.0
+WARMUP_REPLAYS = 50
+
+
+def warm_up(replay: Callable[[], None]) -> None:
+    """Runs `replay()` and waits for the GPU until both WARMUP_REPLAYS runs and WARMUP_MS have passed."""
+    start = time.perf_counter()
+    count = 0
+    while count < WARMUP_REPLAYS or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
+        replay()
+        torch.cuda.synchronize()
+        count += 1
+
+
+def time_graph(run: Callable[[int], None], copies: int, replays: int = 20) -> float:
     """Median milliseconds of one call of `run(i)`.
 
     `run(i)` launches the work on input copy i (0 <= i < copies). One graph holds `copies` calls
-    back to back, so launch gaps shrink and each call reads cold data; each replay is timed with
-    CUDA events and the median replay time is divided by `copies`.
+    back to back, so launch gaps shrink and each call reads cold data; the graph is warmed up
+    (`warm_up`), then each replay is timed with CUDA events and the median replay time is divided by
+    `copies`.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -33,9 +53,7 @@ def time_graph(run: Callable[[int], None], copies: int, replays: int = 20, warmu
     with torch.cuda.graph(graph):
         for i in range(copies):
             run(i)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
+    warm_up(graph.replay)
 
     times = []
     for _ in range(replays):
