@@ -94,13 +94,32 @@ def test_benchmark_app_rejects_a_bad_macko_shape(capsys):
 
 
 @requires_cuda
-def test_warm_up_runs_for_its_count_and_its_time():
-    """Timing starts only after WARMUP_REPLAYS runs and WARMUP_MS (a fresh matrix's first replays are slow)."""
-    calls = []
+@pytest.mark.parametrize("calls_per_replay", [1, 7])
+def test_warm_up_runs_for_its_count_and_its_time(calls_per_replay):
+    """Timing starts only after WARMUP_CALLS calls and WARMUP_MS (a fresh matrix's first calls are slow)."""
+    replays = []
     start = time.perf_counter()
-    timing.warm_up(lambda: calls.append(torch.ones(1, device="cuda")))
-    assert len(calls) >= timing.WARMUP_REPLAYS
+    timing.warm_up(lambda: replays.append(torch.ones(1, device="cuda")), calls_per_replay)
+    assert len(replays) * calls_per_replay >= timing.WARMUP_CALLS
     assert (time.perf_counter() - start) * 1e3 >= timing.WARMUP_MS
+
+
+@requires_cuda
+def test_time_graph_fills_each_replay_and_counts_every_call():
+    """A short op is captured in rounds over its copies until a replay holds MIN_REPLAY_MS of work;
+    the time is per call, so an op of two launches takes about twice as long as one of one."""
+    x = torch.randn(1 << 20, device="cuda")
+    copies = [x.clone() for _ in range(3)]
+    seen = []
+
+    def one(i):
+        seen.append(i)
+        copies[i].mul_(1.0)
+
+    one_ms = timing.time_graph(one, 3, replays=5)
+    assert len(seen) > 3 + 3 and set(seen) == {0, 1, 2}  # eager pass, a first capture, then more rounds
+    two_ms = timing.time_graph(lambda i: (copies[i].mul_(1.0), copies[i].mul_(1.0)), 3, replays=5)
+    assert 1.5 < two_ms / one_ms < 2.5
 
 
 @requires_cuda

@@ -73,7 +73,7 @@ def time_eager(run: Callable[[int], None], copies: int, replays: int = 10) -> fl
         for i in range(copies):
             run(i)
 
-    warm_up(run_all)
+    warm_up(run_all, copies)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -3,6 +3,7 @@ length, median of replays."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -16,30 +17,50 @@ def rotation_count(bytes_per_call: int, l2_multiple: float = 4.0, max_copies: in
     return max(2, min(max_copies, int(l2 * l2_multiple // max(bytes_per_call, 1)) + 1))
 
 
-# Untimed replays before timing. On an H100 a freshly built 32000x4096 MACKO matrix ran its first ~30
-# back-to-back replays (~5 ms) 15% slower than every later one, whatever the idle time before them
-# (docs/perf-notes.md, session 24); the 3 replays used before timed that slow start.
+# Untimed calls before timing. On an H100 a freshly built 32000x4096 MACKO matrix ran its first ~30
+# back-to-back calls per copy (~5 ms) 15% slower than every later one, whatever the idle time before
+# them (docs/perf-notes.md, session 24); the 3 replays used before timed that slow start.
 WARMUP_MS = 25.0
-WARMUP_REPLAYS = 50
+WARMUP_CALLS = 50
+# Each timed replay holds at least this much work: the events around a replay also time the graph's
+# launch, a few microseconds, which was ~7% of a 4096x11008 SpMV timed over 4 calls (session 24).
+MIN_REPLAY_MS = 0.5
 
 
-def warm_up(replay: Callable[[], None]) -> None:
-    """Runs `replay()` and waits for the GPU until both WARMUP_REPLAYS runs and WARMUP_MS have passed."""
+def warm_up(replay: Callable[[], None], calls_per_replay: int = 1) -> None:
+    """Runs `replay()` and waits for the GPU until WARMUP_CALLS calls and WARMUP_MS have passed."""
     start = time.perf_counter()
-    count = 0
-    while count < WARMUP_REPLAYS or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
+    calls = 0
+    while calls < WARMUP_CALLS or (time.perf_counter() - start) * 1e3 < WARMUP_MS:
         replay()
         torch.cuda.synchronize()
-        count += 1
+        calls += calls_per_replay
+
+
+def _capture(run: Callable[[int], None], calls: int, copies: int) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            run(i % copies)
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def time_graph(run: Callable[[int], None], copies: int, replays: int = 20) -> float:
     """Median milliseconds of one call of `run(i)`.
 
-    `run(i)` launches the work on input copy i (0 <= i < copies). One graph holds `copies` calls
-    back to back, so launch gaps shrink and each call reads cold data; the graph is warmed up
-    (`warm_up`), then each replay is timed with CUDA events and the median replay time is divided by
-    `copies`.
+    `run(i)` launches the work on input copy i (0 <= i < copies). One graph holds the calls back to
+    back, cycling through the copies (so each call reads cold data), as many rounds as make a replay
+    last MIN_REPLAY_MS; after `warm_up`, each replay is timed with CUDA events and the median replay
+    time is divided by the number of calls.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -49,21 +70,15 @@ def time_graph(run: Callable[[int], None], copies: int, replays: int = 20) -> fl
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            run(i)
-    warm_up(graph.replay)
-
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / copies)
-    return statistics.median(times)
+    calls = copies
+    graph = _capture(run, calls, copies)
+    graph.replay()  # the first replay also uploads the graph
+    round_ms = _replay_ms(graph)
+    if round_ms < MIN_REPLAY_MS:
+        calls = copies * math.ceil(MIN_REPLAY_MS / max(round_ms, 1e-4))
+        graph = _capture(run, calls, copies)
+    warm_up(graph.replay, calls)
+    return statistics.median(_replay_ms(graph) / calls for _ in range(replays))
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
