@@ -1,4 +1,5 @@
-"""Benchmark plumbing that needs no GPU: case selection, the table, JSON and the plot."""
+"""Benchmark plumbing: case selection, the table, JSON and the plot (no GPU); the timing helpers and
+the MACKO study app (GPU)."""
 
 import argparse
 import json

@@ -26,7 +26,7 @@ from ..model import EMBEDDING_PLACES
 from . import report
 from .arg_types import density_list, matrix_shape_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
-from .timing import copy_bandwidth_gbs, rotation_count, time_graph, warm_up
+from .timing import copy_bandwidth_gbs, elapsed_ms, rotation_count, time_graph, warm_up
 
 SECTIONS = ("spmv", "sweep", "spmm", "decompress")  # kernel sections; "e2e" runs the model
 STUDY_SECTIONS = ("spmv", "spmm", "decompress")  # apps/benchmark.py --suite macko: all but the long sweep
@@ -74,15 +74,7 @@ def time_eager(run: Callable[[int], None], copies: int, replays: int = 10) -> fl
             run(i)
 
     warm_up(run_all, copies)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run_all()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / copies)
-    return statistics.median(times)
+    return statistics.median(elapsed_ms(run_all) / copies for _ in range(replays))
 
 
 class Matrix:

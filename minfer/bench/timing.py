@@ -45,10 +45,11 @@ def _capture(run: Callable[[int], None], calls: int, copies: int) -> torch.cuda.
     return graph
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+def elapsed_ms(launch: Callable[[], None]) -> float:
+    """GPU milliseconds between two events around what `launch()` enqueues."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    graph.replay()
+    launch()
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
@@ -73,12 +74,12 @@ def time_graph(run: Callable[[int], None], copies: int, replays: int = 20) -> fl
     calls = copies
     graph = _capture(run, calls, copies)
     graph.replay()  # the first replay also uploads the graph
-    round_ms = _replay_ms(graph)
+    round_ms = elapsed_ms(graph.replay)
     if round_ms < MIN_REPLAY_MS:
         calls = copies * math.ceil(MIN_REPLAY_MS / max(round_ms, 1e-4))
         graph = _capture(run, calls, copies)
     warm_up(graph.replay, calls)
-    return statistics.median(_replay_ms(graph) / calls for _ in range(replays))
+    return statistics.median(elapsed_ms(graph.replay) / calls for _ in range(replays))
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
