@@ -124,6 +124,21 @@ def test_time_graph_fills_each_replay_and_counts_every_call():
 
 
 @requires_cuda
+@pytest.mark.parametrize("op", ["gemv_fused", "macko_fused"])
+def test_fused_cases_compute_what_their_torch_baselines_compute(op):
+    """Each fused decode case (the norm, silu(gate) * up or the residual add inside the projection)
+    and its torch baseline give the same output, so the suite times the same work on both sides."""
+    for case in kernel_suite.select([op], None, torch.float16):
+        ours, baseline = case.build(2)
+        out = ours(0)
+        out.zero_()  # the residual of the "add" cases starts at zero on both sides
+        mine = ours(0).clone()
+        out.zero_()
+        theirs = baseline(0).clone()
+        torch.testing.assert_close(mine, theirs, atol=2e-2, rtol=2e-2, msg=lambda m: f"{case.shape}: {m}")
+
+
+@requires_cuda
 def test_benchmark_app_macko_suite_reports_every_baseline(tmp_path):
     """`--suite macko` runs the MACKO study's SpMV (with torch CSR, the dense reference and the
     reference schedule), SpMM and decompression sections and writes them to --json."""

@@ -37,34 +37,46 @@ FUSED_SHAPES = [(12288, 4096, "norm"), (22016, 4096, "norm+silu_mul"), (32000, 4
 NORM_EPS = 1e-5
 
 
+FUSION_BASELINES = {"norm": "rms_norm + F.linear", "norm+silu_mul": "rms_norm + F.linear + silu * up",
+                    "add": "F.linear + add_"}
+
+
+def torch_fused_projection(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor,
+                           fusion: str) -> torch.Tensor:
+    """The torch steps a fused decode projection replaces: RMSNorm of x, the product and silu(gate) *
+    up ("norm", "norm+silu_mul"), or the product added into `out` ("add")."""
+    if fusion == "add":
+        return out.add_(F.linear(x, weight))
+    y = F.linear(F.rms_norm(x, (x.shape[-1],), norm_weight, NORM_EPS), weight)
+    if fusion.endswith("silu_mul"):
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y
+
+
+def fused_io_bytes(n: int, k: int, fusion: str, size: int) -> int:
+    """Bytes of one token's fused projection besides the weights: x, y, and the norm weight or the
+    residual read before it is written."""
+    outputs = n // 2 if fusion.endswith("silu_mul") else n
+    return size * (k + outputs + (k if fusion.startswith("norm") else n))
+
+
 def fused_gemv_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:
     norm, silu_mul = fusion.startswith("norm"), fusion.endswith("silu_mul")
-    outputs = n // 2 if silu_mul else n
 
     def build(copies):
         weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=dtype)
-        out = torch.zeros(1, outputs, device="cuda", dtype=dtype)
-        if not norm:
-            return (lambda i: ops.gemv(x, weights[i], out=out, accumulate=True)), (
-                lambda i: out.add_(F.linear(x, weights[i])))
+        out = torch.zeros(1, n // 2 if silu_mul else n, device="cuda", dtype=dtype)
         g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
-
-        def torch_steps(i):
-            y = F.linear(F.rms_norm(x, (k,), g, NORM_EPS), weights[i])
-            if silu_mul:
-                gate, up = y.chunk(2, dim=-1)
-                y = F.silu(gate) * up
-            return y
-
-        return (lambda i: ops.gemv(x, weights[i], out=out, norm_weight=g, eps=NORM_EPS, silu_mul=silu_mul)), torch_steps
+        ours = ((lambda i: ops.gemv(x, weights[i], out=out, norm_weight=g, eps=NORM_EPS, silu_mul=silu_mul)) if norm
+                else (lambda i: ops.gemv(x, weights[i], out=out, accumulate=True)))
+        return ours, (lambda i: torch_fused_projection(x, weights[i], g, out, fusion))
 
     size = torch.finfo(dtype).bits // 8
-    extra = k if norm else n  # the norm weight, or the residual read before it is written
-    baseline = {"norm": "rms_norm + F.linear", "norm+silu_mul": "rms_norm + F.linear + silu * up",
-                "add": "F.linear + add_"}[fusion]
     return KernelCase(op="gemv_fused", shape=f"{n}x{k} +{fusion}", dtype=dtype,
-                      bytes=size * (n * k + outputs + k + extra), flops=2 * n * k, build=build, baseline=baseline)
+                      bytes=size * n * k + fused_io_bytes(n, k, fusion, size), flops=2 * n * k, build=build,
+                      baseline=FUSION_BASELINES[fusion])
 
 
 register("gemv", gemv_cases)

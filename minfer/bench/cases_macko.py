@@ -13,12 +13,14 @@ import torch.nn.functional as F
 from .. import ops
 from ..formats.macko import compress
 from ..sparsity.prune import prune_magnitude_
+from .cases_gemv import FUSED_SHAPES, FUSION_BASELINES, NORM_EPS, fused_io_bytes, torch_fused_projection
 from .kernel_suite import KernelCase, register
 
 # (N, K): fused qkv, o, fused gate_up, down, lm_head of Llama-2-7B.
 LLAMA2_7B_SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096)]
 DENSITIES = (0.1, 0.3, 0.5, 0.7, 0.9)
 TOKEN_COUNTS = (1, 8, 16)  # 16: the tensor-core SpMM (ops.macko_uses_tensor_cores)
+FUSED_DENSITY = 0.5  # issue #4's decode target
 
 
 def pruned_matrix(n: int, k: int, density: float, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -72,4 +74,29 @@ def macko_cases(dtype: torch.dtype) -> list[KernelCase]:
             for t in TOKEN_COUNTS for d in DENSITIES for n, k in LLAMA2_7B_SHAPES]
 
 
+def fused_macko_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:
+    """One decode token's projection as the engine runs it (the norm, silu(gate) * up or the residual add
+    fused into the SpMV), against the same torch steps on the dense matrix: what `macko` times plain."""
+    norm, silu_mul = fusion.startswith("norm"), fusion.endswith("silu_mul")
+    arrays, nonzeros = pruned_arrays(n, k, FUSED_DENSITY, dtype)
+
+    def build(copies):
+        macko = rotated(arrays, copies)
+        dense_copies = rotated((ops.macko_decompress(*arrays, cols=k),), copies)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        out = torch.zeros(1, n // 2 if silu_mul else n, device="cuda", dtype=dtype)
+        g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+        ours = ((lambda i: ops.macko_spmv(*macko[i], x, out=out, norm_weight=g, eps=NORM_EPS, silu_mul=silu_mul))
+                if norm else (lambda i: ops.macko_spmv(*macko[i], x, out=out, accumulate=True)))
+        return ours, (lambda i: torch_fused_projection(x, dense_copies[i][0], g, out, fusion))
+
+    size = torch.finfo(dtype).bits // 8
+    return KernelCase(op="macko_fused", shape=f"{n}x{k} d{FUSED_DENSITY} +{fusion}", dtype=dtype,
+                      bytes=macko_bytes(arrays[0], arrays[2], n, k, 0) + fused_io_bytes(n, k, fusion, size),
+                      flops=2 * nonzeros, build=build, baseline=f"{FUSION_BASELINES[fusion]}, dense")
+
+
 register("macko", macko_cases)
+# The decode's fused projections (lm_head stays dense in the model, so not its norm case).
+register("macko_fused", lambda dtype: [fused_macko_case(n, k, fusion, dtype) for n, k, fusion in FUSED_SHAPES
+                                       if (n, k) != (32000, 4096)])
