@@ -41,17 +41,27 @@ FUSION_BASELINES = {"norm": "rms_norm + F.linear", "norm+silu_mul": "rms_norm + 
                     "add": "F.linear + add_"}
 
 
-def torch_fused_projection(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, out: torch.Tensor,
-                           fusion: str) -> torch.Tensor:
-    """The torch steps a fused decode projection replaces: RMSNorm of x, the product and silu(gate) *
-    up ("norm", "norm+silu_mul"), or the product added into `out` ("add")."""
-    if fusion == "add":
+def torch_fused_projection(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, fused: dict) -> torch.Tensor:
+    """The torch steps a fused decode projection (`fused_inputs`) replaces: the product added into
+    `out`, or RMSNorm of x, the product and silu(gate) * up."""
+    if fused.get("accumulate"):
         return out.add_(F.linear(x, weight))
-    y = F.linear(F.rms_norm(x, (x.shape[-1],), norm_weight, NORM_EPS), weight)
-    if fusion.endswith("silu_mul"):
+    y = F.linear(F.rms_norm(x, (x.shape[-1],), fused["norm_weight"], NORM_EPS), weight)
+    if fused["silu_mul"]:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
     return y
+
+
+def fused_inputs(n: int, k: int, fusion: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One token's x, the output (the residual, zero, for "add") and the keyword arguments that fuse
+    `fusion` into ops.gemv or ops.macko_spmv (the norm weight g is under "norm_weight")."""
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    out = torch.zeros(1, n // 2 if fusion.endswith("silu_mul") else n, device="cuda", dtype=dtype)
+    if fusion == "add":
+        return x, out, {"accumulate": True}
+    g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+    return x, out, {"norm_weight": g, "eps": NORM_EPS, "silu_mul": fusion.endswith("silu_mul")}
 
 
 def fused_io_bytes(n: int, k: int, fusion: str, size: int) -> int:
@@ -62,16 +72,11 @@ def fused_io_bytes(n: int, k: int, fusion: str, size: int) -> int:
 
 
 def fused_gemv_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:
-    norm, silu_mul = fusion.startswith("norm"), fusion.endswith("silu_mul")
-
     def build(copies):
         weights = [(torch.randn(n, k, device="cuda") / k**0.5).to(dtype) for _ in range(copies)]
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
-        out = torch.zeros(1, n // 2 if silu_mul else n, device="cuda", dtype=dtype)
-        g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
-        ours = ((lambda i: ops.gemv(x, weights[i], out=out, norm_weight=g, eps=NORM_EPS, silu_mul=silu_mul)) if norm
-                else (lambda i: ops.gemv(x, weights[i], out=out, accumulate=True)))
-        return ours, (lambda i: torch_fused_projection(x, weights[i], g, out, fusion))
+        x, out, fused = fused_inputs(n, k, fusion, dtype)
+        return ((lambda i: ops.gemv(x, weights[i], out=out, **fused)),
+                (lambda i: torch_fused_projection(x, weights[i], out, fused)))
 
     size = torch.finfo(dtype).bits // 8
     return KernelCase(op="gemv_fused", shape=f"{n}x{k} +{fusion}", dtype=dtype,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .. import ops
 from ..formats.macko import compress
 from ..sparsity.prune import prune_magnitude_
-from .cases_gemv import FUSED_SHAPES, FUSION_BASELINES, NORM_EPS, fused_io_bytes, torch_fused_projection
+from .cases_gemv import FUSED_SHAPES, FUSION_BASELINES, fused_inputs, fused_io_bytes, torch_fused_projection
 from .kernel_suite import KernelCase, register
 
 # (N, K): fused qkv, o, fused gate_up, down, lm_head of Llama-2-7B.
@@ -79,18 +79,14 @@ def macko_cases(dtype: torch.dtype) -> list[KernelCase]:
 def fused_macko_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:
     """One decode token's projection as the engine runs it (the norm, silu(gate) * up or the residual add
     fused into the SpMV), against the same torch steps on the dense matrix: what `macko` times plain."""
-    norm, silu_mul = fusion.startswith("norm"), fusion.endswith("silu_mul")
     arrays, nonzeros = pruned_arrays(n, k, FUSED_DENSITY, dtype)
 
     def build(copies):
         macko = rotated(arrays, copies)
         dense_copies = rotated((ops.macko_decompress(*arrays, cols=k),), copies)
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
-        out = torch.zeros(1, n // 2 if silu_mul else n, device="cuda", dtype=dtype)
-        g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
-        ours = ((lambda i: ops.macko_spmv(*macko[i], x, out=out, norm_weight=g, eps=NORM_EPS, silu_mul=silu_mul))
-                if norm else (lambda i: ops.macko_spmv(*macko[i], x, out=out, accumulate=True)))
-        return ours, (lambda i: torch_fused_projection(x, dense_copies[i][0], g, out, fusion))
+        x, out, fused = fused_inputs(n, k, fusion, dtype)
+        return ((lambda i: ops.macko_spmv(*macko[i], x, out=out, **fused)),
+                (lambda i: torch_fused_projection(x, dense_copies[i][0], out, fused)))
 
     size = torch.finfo(dtype).bits // 8
     return KernelCase(op="macko_fused", shape=f"{n}x{k} d{FUSED_DENSITY} +{fusion}", dtype=dtype,
