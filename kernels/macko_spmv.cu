@@ -302,7 +302,7 @@ struct OneTokenConsumer {
     bool accumulate;
     int half_rows;         // SILU: gate rows [0, half_rows), up rows [half_rows, 2 half_rows)
     uint32_t xs_addr = 0;  // shared-memory address of xs
-    float row_scale = 0.f; // NORM: 0 until the first row end computes it
+    float row_scale = 1.f;
     float residual = 0.f;  // accumulate: out[row], read when the row begins
     float gate = 0.f;      // SILU: the current pair's gate output
     float2 acc = make_float2(0.f, 0.f);
@@ -312,6 +312,7 @@ struct OneTokenConsumer {
         wait_for_previous_kernel();
         stage_x_fp32<T, NORM>(x, norm_weight, cols, xs, xs + cols);
         __syncthreads();
+        if constexpr (NORM) row_scale = rsqrtf(vector_squares_total(xs + cols, cols) / cols + eps);
         xs_addr = smem_addr(xs);
     }
 
@@ -329,11 +330,7 @@ struct OneTokenConsumer {
 
     __device__ __forceinline__ void end_row(int row) {
         float sum = warp_sum(acc.x + acc.y);
-        if constexpr (NORM) {
-            // After the first row's loads, not in stage(): the walker's second batch is issued sooner.
-            if (row_scale == 0.f) row_scale = rsqrtf(vector_squares_total(xs + cols, cols) / cols + eps);
-            sum *= row_scale;
-        }
+        if constexpr (NORM) sum *= row_scale;
         if constexpr (SILU) {
             const float rounded = to_float(from_float<T>(sum));
             if (row < half_rows) {
