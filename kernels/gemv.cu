@@ -152,6 +152,17 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
         cp_async_commit();
     }
     wait_for_previous_kernel();
+    // The residual is read here, so its L2 round trip overlaps the multiplies instead of following the
+    // block's reduction (warp 0 writes the outputs).
+    float residual[2][2] = {};  // [token 2t + j][row, row + 8]
+    if (!kSiluMul && accumulate && warp == 0) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int64_t lo = (int64_t)(2 * t + j) * n + row;
+            if (2 * t + j < tokens && row < n) residual[j][0] = to_float(out[lo]);
+            if (2 * t + j < tokens && row + 8 < n) residual[j][1] = to_float(out[lo + 8]);
+        }
+    }
     if (warp < batches) even.load_x(lane, batch_chunk(warp));
     if (kBothSetsBeforeWait && warp + kWarps < batches) odd.load_x(lane, batch_chunk(warp + kWarps));
     for (int b = warp; b < batches; b += 2 * kWarps) {  // one set in flight while the other multiplies
@@ -214,8 +225,8 @@ __global__ void __launch_bounds__(kWarps * 32, kNorm && kUnroll == 2 ? 768 / (kW
             continue;
         }
         const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
-        if (row < n) out[lo] = from_float<T>(c[j] * scale + (accumulate ? to_float(out[lo]) : 0.0f));
-        if (row + 8 < n) out[hi] = from_float<T>(c[2 + j] * scale + (accumulate ? to_float(out[hi]) : 0.0f));
+        if (row < n) out[lo] = from_float<T>(c[j] * scale + residual[j][0]);
+        if (row + 8 < n) out[hi] = from_float<T>(c[2 + j] * scale + residual[j][1]);
     }
 }
 
