@@ -53,22 +53,23 @@ def torch_fused_projection(x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
     return y
 
 
-def fused_inputs(n: int, k: int, fusion: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """One token's x, the output (the residual, zero, for "add") and the keyword arguments that fuse
+def fused_inputs(n: int, k: int, fusion: str, dtype: torch.dtype,
+                 tokens: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The tokens' x, the output (the residual, zero, for "add") and the keyword arguments that fuse
     `fusion` into ops.gemv or ops.macko_spmv (the norm weight g is under "norm_weight")."""
-    x = torch.randn(1, k, device="cuda", dtype=dtype)
-    out = torch.zeros(1, n // 2 if fusion.endswith("silu_mul") else n, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, k, device="cuda", dtype=dtype)
+    out = torch.zeros(tokens, n // 2 if fusion.endswith("silu_mul") else n, device="cuda", dtype=dtype)
     if fusion == "add":
         return x, out, {"accumulate": True}
     g = (1.0 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
     return x, out, {"norm_weight": g, "eps": NORM_EPS, "silu_mul": fusion.endswith("silu_mul")}
 
 
-def fused_io_bytes(n: int, k: int, fusion: str, size: int) -> int:
-    """Bytes of one token's fused projection besides the weights: x, y, and the norm weight or the
+def fused_io_bytes(n: int, k: int, fusion: str, size: int, tokens: int = 1) -> int:
+    """Bytes of the tokens' fused projection besides the weights: x, y, and the norm weight or the
     residual read before it is written."""
     outputs = n // 2 if fusion.endswith("silu_mul") else n
-    return size * (k + outputs + (k if fusion.startswith("norm") else n))
+    return size * (tokens * (k + outputs) + (k if fusion.startswith("norm") else tokens * n))
 
 
 def fused_gemv_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:

@@ -76,25 +76,33 @@ def macko_cases(dtype: torch.dtype) -> list[KernelCase]:
             for t in TOKEN_COUNTS for d in DENSITIES for n, k in LLAMA2_7B_SHAPES]
 
 
-def fused_macko_case(n: int, k: int, fusion: str, dtype: torch.dtype) -> KernelCase:
-    """One decode token's projection as the engine runs it (the norm, silu(gate) * up or the residual add
-    fused into the SpMV), against the same torch steps on the dense matrix: what `macko` times plain."""
+def fused_macko_case(n: int, k: int, fusion: str, dtype: torch.dtype, tokens: int = 1) -> KernelCase:
+    """A decode step's projection as the engine runs it (the norm, silu(gate) * up or the residual add
+    fused into the SpMV or SpMM), against the same torch steps on the dense matrix: what `macko` times
+    plain."""
     arrays, nonzeros = pruned_arrays(n, k, FUSED_DENSITY, dtype)
 
     def build(copies):
         macko = rotated(arrays, copies)
         dense_copies = rotated((ops.macko_decompress(*arrays, cols=k),), copies)
-        x, out, fused = fused_inputs(n, k, fusion, dtype)
-        return ((lambda i: ops.macko_spmv(*macko[i], x, out=out, **fused)),
+        table = ops.macko_window_table(*arrays, k) if ops.macko_uses_tensor_cores(tokens) else None
+        x, out, fused = fused_inputs(n, k, fusion, dtype, tokens)
+        return ((lambda i: ops.macko_spmv(*macko[i], x, out=out, window_table=table, **fused)),
                 (lambda i: torch_fused_projection(x, dense_copies[i][0], out, fused)))
 
     size = torch.finfo(dtype).bits // 8
-    return KernelCase(op="macko_fused", shape=f"{n}x{k} d{FUSED_DENSITY} +{fusion}", dtype=dtype,
-                      bytes=macko_bytes(arrays[0], arrays[2], n, k, 0) + fused_io_bytes(n, k, fusion, size),
-                      flops=2 * nonzeros, build=build, baseline=f"{FUSION_BASELINES[fusion]}, dense")
+    return KernelCase(op="macko_fused", shape=f"{n}x{k} d{FUSED_DENSITY} t{tokens} +{fusion}", dtype=dtype,
+                      bytes=macko_bytes(arrays[0], arrays[2], n, k, 0) + fused_io_bytes(n, k, fusion, size, tokens),
+                      flops=2 * nonzeros * tokens, build=build, baseline=f"{FUSION_BASELINES[fusion]}, dense")
 
+
+# Batched decode and speculative verification add o and down into the residual for several tokens:
+# 4 run on the CUDA-core SpMM, 16 on the tensor-core one.
+SPMM_ADD_TOKENS = (4, 16)
 
 register("macko", macko_cases)
 # The decode's fused projections (lm_head stays dense in the model, so not its norm case).
 register("macko_fused", lambda dtype: [fused_macko_case(n, k, fusion, dtype) for n, k, fusion in FUSED_SHAPES
-                                       if (n, k) != (32000, 4096)])
+                                       if (n, k) != (32000, 4096)]
+         + [fused_macko_case(n, k, fusion, dtype, t) for t in SPMM_ADD_TOKENS for n, k, fusion in FUSED_SHAPES
+            if fusion == "add"])
