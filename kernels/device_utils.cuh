@@ -115,11 +115,6 @@ __device__ __forceinline__ uint4 load_stream_16B(const void* ptr) {
     return r;
 }
 
-// Brings a line into this SM's L1 without holding a register until the load that reads it.
-__device__ __forceinline__ void prefetch_l1(const void* ptr) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr));
-}
-
 // Programmatic dependent launch (sm_90+; no-ops before): a kernel whose weights never depend on the
 // previous kernel lets its successor launch early and waits only before it reads activations. Reads
 // after the wait must be coherent loads: ptxas may hoist read-only `.nc` loads above griddepcontrol.wait.

@@ -184,14 +184,9 @@ struct SpmvConsumer {
         }
     }
 
-    // The residual's L2 round trip overlaps the row's decode (a prefetch into L1: a register held across
-    // the row costs these kernels up to 12 registers, e.g. TT = 8 from 64 to 72, one block per SM less).
-    // The reference schedule (no PDL) keeps its late read.
-    __device__ __forceinline__ void begin_row(int row) {
+    __device__ __forceinline__ void begin_row(int) {
 #pragma unroll
         for (int t = 0; t < TT; ++t) acc[t] = 0.f;
-        if constexpr (PDL)
-            if (accumulate && lane < TT && lane < tokens) prefetch_l1(out + (int64_t)lane * rows + row);
     }
 
     template <bool CHECK>

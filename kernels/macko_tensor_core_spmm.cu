@@ -239,25 +239,14 @@ __global__ void __launch_bounds__(kTcThreads, 2)
                               (w_end - w_begin) * kRowsPerWarp};
     walk_groups<STEPS>(values, deltas, runs, runs.end(), 0, lane, consumer);
 
-    // Accumulator c (c0, c1: token lane / 4, tile rows n, n + 1; c2, c3: token + 8) with n = 2 (lane % 4).
-    const int n_tile = warp % kNTiles;
-    const int token = lane / 4, tile_row = n_tile * 8 + 2 * (lane % 4);
-    const auto out_at = [&](int i) -> T* {
-        const int t = token + (i >> 1) * 8, row = row0 + tile_row + (i & 1);
-        return t < tokens && row < rows ? out + (int64_t)t * rows + row : nullptr;
-    };
-    // The residual is read before the barrier below, so its L2 round trip overlaps the other warps' walks.
-    float residuals[4] = {0.f, 0.f, 0.f, 0.f};
-    if (accumulate && splits == 1 && warp < kNTiles) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            if (const T* dst = out_at(i)) residuals[i] = to_float(*dst);
-    }
     // The warps of one n-tile hold sums over different parts of every window: add them.
+    const int n_tile = warp % kNTiles;
     float4* mine = part_sums() + (n_tile * kWarpSize + lane);
     if (warp >= kNTiles) mine[(warp / kNTiles - 1) * kNTiles * kWarpSize] =
         make_float4(consumer.acc[0], consumer.acc[1], consumer.acc[2], consumer.acc[3]);
     __syncthreads();
+    // Accumulator c (c0, c1: token lane / 4, tile rows n, n + 1; c2, c3: token + 8) with n = 2 (lane % 4).
+    const int token = lane / 4, tile_row = n_tile * 8 + 2 * (lane % 4);
     const int64_t padded_rows = (int64_t)gridDim.x * kMackoTileRows;
     if (warp < kNTiles) {
         float c[4] = {consumer.acc[0], consumer.acc[1], consumer.acc[2], consumer.acc[3]};
@@ -274,8 +263,13 @@ __global__ void __launch_bounds__(kTcThreads, 2)
             *reinterpret_cast<float2*>(share + 8 * padded_rows) = make_float2(c[2], c[3]);
         } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                if (T* dst = out_at(i)) *dst = from_float<T>(c[i] + residuals[i]);
+            for (int i = 0; i < 4; ++i) {
+                const int t = token + (i >> 1) * 8, row = row0 + tile_row + (i & 1);
+                if (t < tokens && row < rows) {
+                    T* dst = out + (int64_t)t * rows + row;
+                    *dst = from_float<T>(c[i] + (accumulate ? to_float(*dst) : 0.f));
+                }
+            }
         }
     }
     if (splits == 1) return;
@@ -288,11 +282,10 @@ __global__ void __launch_bounds__(kTcThreads, 2)
     for (int i = threadIdx.x; i < tokens * kMackoTileRows; i += kTcThreads) {
         const int t = i / kMackoTileRows, row = row0 + i % kMackoTileRows;
         if (row >= rows) continue;
-        T* dst = out + (int64_t)t * rows + row;
-        const float residual = accumulate ? to_float(*dst) : 0.f;  // read first: its load overlaps the partials'
         float sum = 0.f;
         for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((int64_t)s * kTokens + t) * padded_rows + row);
-        *dst = from_float<T>(sum + residual);
+        T* dst = out + (int64_t)t * rows + row;
+        *dst = from_float<T>(sum + (accumulate ? to_float(*dst) : 0.f));
     }
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // at rest again for the next launch
 }
