@@ -20,6 +20,7 @@ launch sweep.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,10 +31,14 @@ import torch  # noqa: E402
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
+from minfer.checkpoint import resolve  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# Flags that apply to some suites only default to None (see FLAG_SUITES), then to these.
+DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens": 256, "embedding": "host"}
+E2E_SUITES = ("e2e", "macko-e2e", "all")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,17 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="only the kernel cases with these shape labels (e.g. 4096x11008); macko: the matrix "
                              "shapes (default: Llama-2-7B's five)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
-    parser.add_argument("--reps", type=positive_int, default=20, help="timed graph replays per case (median; default 20)")
-    parser.add_argument("--model", default="llama2-7b", help="e2e: known model alias, random weights")
-    parser.add_argument("--prompt-tokens", type=positive_int, default=512, help="e2e prompt length (default 512)")
-    parser.add_argument("--new-tokens", type=positive_int, default=256, help="e2e decoded tokens (default 256)")
+    parser.add_argument("--reps", type=positive_int, default=None,
+                        help=f"kernels, macko: timed graph replays per case (median; default {DEFAULTS['reps']}); "
+                             f"the e2e suites take the median of {e2e_suite.TIMED_RUNS} generations")
+    parser.add_argument("--model", default=None,
+                        help=f"e2e suites: known model alias, random weights (default {DEFAULTS['model']})")
+    parser.add_argument("--prompt-tokens", type=positive_int, default=None,
+                        help=f"e2e suites: prompt length (default {DEFAULTS['prompt_tokens']})")
+    parser.add_argument("--new-tokens", type=positive_int, default=None,
+                        help=f"e2e suites: decoded tokens (default {DEFAULTS['new_tokens']})")
     parser.add_argument("--densities", type=density_list, default=None, metavar="D,...",
                         help="macko-e2e: densities, 1.0 meaning dense (default: "
                              f"{','.join(str(d) for d in macko_suite.E2E_DENSITIES)}); macko: the pruning "
                              f"densities (default: {','.join(str(d) for d in macko_suite.DENSITIES)})")
-    parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default="host",
-                        help="e2e: where minfer keeps the token embedding (default host: pinned memory, one row "
-                             "read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
+    parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default=None,
+                        help="e2e suites: where minfer keeps the token embedding (default host: pinned memory, one "
+                             "row read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a PNG of speedups and bandwidth (kernels, e2e and macko-e2e suites)")
@@ -68,14 +78,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 # The suites each optional flag applies to; given with any other suite it would be ignored.
 FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
-               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "all")}
+               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "all"),
+               "reps": ("kernels", "macko", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
+               "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}
+
+
+def check_e2e_model(args: argparse.Namespace) -> None:
+    """The e2e suites' model and context, checked before any suite runs (they run last)."""
+    try:
+        config = resolve(args.model, "random").config
+    except MinferError as exc:
+        raise MinferError(f"--model: {exc}") from None
+    context = args.prompt_tokens + args.new_tokens
+    if context > config.max_position_embeddings:
+        raise MinferError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} = {context} exceeds "
+                          f"the {config.max_position_embeddings} positions {args.model} supports")
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """A missing folder is made now; one that cannot be written fails now, not after the run."""
+    folder = Path(path).expanduser().resolve().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MinferError(f"{flag} {path}: cannot create {folder} ({exc.strerror})") from None
+    if Path(path).is_dir() or not os.access(folder, os.W_OK):
+        raise MinferError(f"{flag} {path}: not a writable file path")
 
 
 def run(args: argparse.Namespace) -> int:
     for name, suites in FLAG_SUITES.items():
         if getattr(args, name) is not None and args.suite not in suites:
-            raise MinferError(f"--{name} does not apply to --suite {args.suite}; it is for --suite "
-                              f"{', '.join(suites)}")
+            raise MinferError(f"--{name.replace('_', '-')} does not apply to --suite {args.suite}; it is for "
+                              f"--suite {', '.join(suites)}")
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_path(flag, path)
+    if args.suite in E2E_SUITES:
+        check_e2e_model(args)
     macko_shapes = macko_suite.LLAMA2_7B_SHAPES
     if args.suite == "macko" and args.shapes:
         try:
@@ -103,14 +146,19 @@ def run(args: argparse.Namespace) -> int:
                                  embedding=args.embedding)
 
     if args.suite == "macko":
+        densities = args.densities or macko_suite.DENSITIES
+        for note in macko_suite.skipped_sections(macko_suite.STUDY_SECTIONS, densities):
+            print(f"note: {note}")
         copy_gbs, macko_kernel_rows = macko_suite.run(
-            macko_suite.STUDY_SECTIONS, macko_shapes, args.densities or macko_suite.DENSITIES, dtype, args.reps,
+            macko_suite.STUDY_SECTIONS, macko_shapes, densities, dtype, args.reps,
             on_row=lambda section, row: print(f"  macko {section} {row['shape']} d{row['density']}: "
                                               f"{row['minfer_ms']:.4f} ms", flush=True))
         env["copy_gbs"] = round(copy_gbs, 1)
     if args.suite in ("macko-e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         densities = args.densities or macko_suite.E2E_DENSITIES
+        if 1.0 not in densities:
+            print("note: no density 1.0 among --densities, so no dense row and no 'vs dense' column")
         macko_rows = macko_suite.e2e_rows(
             args.model, densities, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
             on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True),

@@ -30,12 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.bench import kernel_suite  # noqa: E402
+from minfer.bench.arg_types import csv_list  # noqa: E402
 from minfer.bench.cases_macko import DENSITIES as MACKO_CASE_DENSITIES  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DECODE = "decode"
 DECODE_DENSITY = 0.5
+TIMELINE_STEPS = 32
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,11 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default=DECODE, choices=[*kernel_suite.registered_ops(), DECODE],
                         help="a kernel from the benchmark registry, or one decode step of --model (default)")
-    parser.add_argument("--shapes", default=None, help="comma-separated shape labels (default: every case)")
+    parser.add_argument("--shapes", type=csv_list, default=None,
+                        help="kernels: comma-separated shape labels (default: every case)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float16")
     parser.add_argument("--iters", type=int, default=None,
-                        help="profiled runs of each case (default 3; one decode step: 1)")
-    parser.add_argument("--baseline", action="store_true", help="also run the vendor baseline of each case")
+                        help="profiled runs of each case (default 3; one decode step: 1; not with --timeline)")
+    parser.add_argument("--baseline", action="store_true", help="kernels: also run the vendor baseline of each case")
     parser.add_argument("--model", default="llama2-7b", help="decode: known model alias, random weights")
     parser.add_argument("--context", type=int, default=512, help="decode: cache positions filled before the step")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
@@ -56,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "step: every layer, the final norm and lm_head, ~10 min)")
     parser.add_argument("--timeline", action="store_true",
                         help="decode: trace graph-replayed steps and print each kernel's share of a step")
-    parser.add_argument("--steps", type=int, default=32, help="decode --timeline: traced steps (default 32)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"decode --timeline: traced steps (default {TIMELINE_STEPS})")
     parser.add_argument("--sparse", choices=("none", "macko"), default="none",
                         help="decode: weight format of the projections (default none)")
     parser.add_argument("--density", type=float, default=None,
@@ -79,8 +83,7 @@ class ProfiledRegion:
 
 
 def profile_kernels(args: argparse.Namespace) -> None:
-    shapes = args.shapes.split(",") if args.shapes else None
-    cases = kernel_suite.select([args.op], shapes, DTYPES[args.dtype])
+    cases = kernel_suite.select([args.op], args.shapes, DTYPES[args.dtype])
     if args.density is not None:  # --op macko (main checks)
         cases = [case for case in cases if f" d{args.density} " in case.shape]
     prepared = []
@@ -165,8 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--timeline traces decode steps: use it with --op decode")
     if args.sparse != "none" and args.op != DECODE:
         parser.error("--sparse sets the model's weight format: use it with --op decode")
+    if args.op == DECODE and (args.baseline or args.shapes):
+        parser.error("--baseline and --shapes choose kernel cases: use them with --op <kernel>, not decode")
+    if args.timeline and args.iters is not None:
+        parser.error("--iters counts profiled runs; --timeline traces --steps graph-replayed steps instead")
+    if args.steps is not None and not args.timeline:
+        parser.error("--steps counts the steps --timeline traces: use it with --timeline")
     if args.iters is None:
         args.iters = 1 if args.op == DECODE else 3
+    if args.steps is None:
+        args.steps = TIMELINE_STEPS
     if args.layers is not None and (args.op != DECODE or args.timeline):
         parser.error("--layers cuts the profiled decode step: use it with --op decode, without --timeline")
     if args.steps < 2 or args.context < 1 or args.iters < 1 or (args.layers or 0) < 0:

@@ -8,50 +8,58 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
+case "$what" in all|tests|bench) ;; *) echo "usage: device_check.sh [all|tests|bench]" >&2; exit 2 ;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MINFER_BUILD_DIR=${MINFER_BUILD_DIR:-/tmp/minfer-build}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 summary=()
+failed=0
 note() { summary+=("$1"); echo "$1"; }
+# record LABEL STATUS [DETAIL]: notes the step's exit status; any non-zero one fails the whole run.
+record() { [ "$2" -eq 0 ] || failed=1; note "$1: exit $2${3:+ | $3}"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 start=$(date +%s)
-python3 -m minfer.ops --build || exit 1
+python3 -m minfer.ops --build || { echo "build failed" >&2; exit 1; }
 note "build: $(( $(date +%s) - start )) s"
 
 kernel_tests=(tests/test_gemv.py tests/test_argmax.py tests/test_rms_norm.py tests/test_rope.py
               tests/test_decode_attention.py tests/test_macko_kernels.py tests/test_macko_tensor_core_spmm.py
               tests/test_hgemm.py tests/test_embedding.py)
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    timeout 300 python3 -m pytest -n 4 -p no:cacheprovider tests > "$OUT/pytest.txt" 2>&1
-    note "pytest (GPU): exit $? | $(tail -n 1 "$OUT/pytest.txt")"
+    parallel=()  # pytest-xdist, where installed (the device images have it; the project does not need it)
+    python3 -c "import xdist" 2>/dev/null && parallel=(-n 4)
+    timeout 300 python3 -m pytest "${parallel[@]}" -p no:cacheprovider tests > "$OUT/pytest.txt" 2>&1
+    rc=$?; record "pytest (GPU)" $rc "$(tail -n 1 "$OUT/pytest.txt")"
     timeout 260 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
         python3 -m pytest -x -p no:cacheprovider "${kernel_tests[@]}" \
         -k "not opcheck and not float64_sdpa and not every_launch and not many_tiles and not every_launch_shape and (not every_row or 4096-0.5) and not (tensor_core_spmm and 64-11008)" \
         > "$OUT/memcheck.txt" 2>&1
-    note "memcheck: exit $? | $(grep 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -n 1) | $(tail -n 1 "$OUT/memcheck.txt")"
+    rc=$?; record "memcheck" $rc "$(grep 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -n 1) | $(tail -n 1 "$OUT/memcheck.txt")"
     timeout 200 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 10 \
         python3 -m pytest -x -p no:cacheprovider "${kernel_tests[@]}" \
         -k "every_ring_depth and 128-2 or long_rows or gemv_chain or sublayer_chain or newest_row and 128 or argmax_in_cuda or add_rms_norm_updates and 4096 or hgemm_in_cuda_graph or fuses_the_rms_norm and dtype0 and (37-1000 or 4096-False) or rows_at_window_edges or every_token_count and 13-1" \
         > "$OUT/racecheck.txt" 2>&1
-    note "racecheck: exit $? | $(grep 'RACECHECK SUMMARY' "$OUT/racecheck.txt" | tail -n 1) | $(tail -n 1 "$OUT/racecheck.txt")"
+    rc=$?; record "racecheck" $rc "$(grep 'RACECHECK SUMMARY' "$OUT/racecheck.txt" | tail -n 1) | $(tail -n 1 "$OUT/racecheck.txt")"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 300 python3 apps/benchmark.py --suite all --json "$OUT/benchmark.json" --plot "$OUT/benchmark.png" \
         > "$OUT/benchmark.txt" 2>&1
-    note "benchmark: exit $?"
+    rc=$?; record "benchmark" $rc
     # issue #4's kernel table: SpMV against cuBLAS, torch CSR and the reference kernel's schedule, SpMM, decompression
     timeout 200 python3 apps/benchmark.py --suite macko --densities 0.1,0.3,0.5,0.7 --json "$OUT/macko.json" \
         > "$OUT/macko.txt" 2>&1
-    note "benchmark --suite macko: exit $?"
+    rc=$?; record "benchmark --suite macko" $rc
     for sparse in none macko; do
         timeout 120 python3 apps/generate.py --model llama2-7b --weights random --device cuda --dtype float16 \
             --max-new-tokens 256 --sparse "$sparse" $([ "$sparse" = macko ] && echo --density 0.5) \
             > "$OUT/generate-$sparse.txt" 2>&1
-        note "generate --sparse $sparse: exit $? | $(grep -E 'tok/s' "$OUT/generate-$sparse.txt" | tail -n 1)"
+        rc=$?; record "generate --sparse $sparse" $rc "$(grep -E 'tok/s' "$OUT/generate-$sparse.txt" | tail -n 1)"
     done
     sed -n '/kernels (/,$p' "$OUT/benchmark.txt" | grep -E "end to end|MACKO end|llama2-7b" || true
     sed -n '/MACKO spmv/,/MACKO spmm/p' "$OUT/macko.txt" | grep -E "MACKO spmv|shape|0\.5 " || true
 fi
 printf '%s\n' "---- summary" "${summary[@]}"
+[ "$failed" -eq 0 ] || echo "FAILED: a step above exited non-zero"
+exit "$failed"

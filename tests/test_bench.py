@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minfer import ops
-from minfer.bench import e2e_suite, kernel_suite, report, timing
-from minfer.bench.arg_types import density_list, matrix_shape_list, positive_int
+from minfer.bench import e2e_suite, kernel_suite, macko_suite, report, timing
+from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int
 from minfer.errors import MinferError
 from tests.conftest import requires_cuda
 from tests.test_cli import load_app
@@ -28,6 +28,8 @@ def test_registry_finds_the_case_modules_and_filters_by_shape():
         kernel_suite.select(["no_such_op"])
     with pytest.raises(MinferError, match="no case has shape"):
         kernel_suite.select(["gemv"], ["3x3"])
+    with pytest.raises(MinferError, match="no case has shape 32000x4069;"):  # a typo beside a real shape
+        kernel_suite.select(["gemv"], ["4096x11008", "32000x4069"])
 
 
 def test_table_json_and_plot(tmp_path, capsys):
@@ -62,9 +64,12 @@ def test_density_and_shape_arguments():
     for bad in ("0", "1.5", "half", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="densities must be"):
             density_list(bad)
-    for bad in ("4096", "0x8", "8x-1", "axb", ","):
+    for bad in ("4096", "0x8", "8x-1", "axb", ",", "", "12x", "\u00b2x4", "8x8,,8x8"):
         with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
             matrix_shape_list(bad)
+    for bad in ("", ",", "gemv,,argmax"):
+        with pytest.raises(argparse.ArgumentTypeError, match="no empty items"):
+            csv_list(bad)
     assert positive_int("3") == 3
     for bad, message in (("0", "at least 1"), ("-2", "at least 1"), ("2.5", "whole number")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
@@ -77,10 +82,33 @@ def test_density_and_shape_arguments():
     (["--suite", "macko", "--plot", "out.png"], "--plot does not apply to --suite macko"),
     (["--suite", "macko-e2e", "--shapes", "4096x4096"], "--shapes does not apply to --suite macko-e2e"),
     (["--suite", "macko", "--ops", "gemv"], "--ops does not apply to --suite macko"),
+    (["--suite", "kernels", "--model", "llama2-7b"], "--model does not apply to --suite kernels"),
+    (["--suite", "macko", "--prompt-tokens", "9"], "--prompt-tokens does not apply to --suite macko"),
+    (["--suite", "kernels", "--new-tokens", "3"], "--new-tokens does not apply to --suite kernels"),
+    (["--suite", "macko", "--embedding", "gpu"], "--embedding does not apply to --suite macko"),
+    (["--suite", "e2e", "--reps", "5"], "--reps does not apply to --suite e2e"),
+    (["--suite", "e2e", "--model", "no-such-model"], "--model: "),
+    (["--suite", "macko-e2e", "--prompt-tokens", "4000", "--new-tokens", "200"], "exceeds the 4096 positions"),
+    (["--suite", "kernels", "--json", "/proc/no/such.json"], "--json /proc/no/such.json"),
 ])
 def test_benchmark_app_refuses_flags_its_suite_would_ignore(argv, message, capsys):
     assert load_app(BENCHMARK_APP).main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_macko_study_says_which_sections_its_densities_skip():
+    assert macko_suite.skipped_sections(macko_suite.STUDY_SECTIONS, [0.5]) == []
+    notes = macko_suite.skipped_sections(macko_suite.STUDY_SECTIONS, [0.7])
+    assert len(notes) == 2 and "SpMM runs at densities 0.3, 0.5 only" in notes[0] and "0.5 only" in notes[1]
+
+
+def test_benchmark_app_makes_the_output_folders_before_it_runs(tmp_path, capsys, monkeypatch):
+    """--json and --plot folders are made (and checked) before any suite runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # stop right after the checks
+    json_path, plot_path = tmp_path / "a" / "b.json", tmp_path / "c" / "d.png"
+    assert load_app(BENCHMARK_APP).main(["--json", str(json_path), "--plot", str(plot_path)]) == 2
+    assert json_path.parent.is_dir() and plot_path.parent.is_dir()
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_benchmark_app_refuses_zero_replays(capsys):

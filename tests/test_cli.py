@@ -238,6 +238,11 @@ def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint
     (["--layers", "-1"], "--layers at least 0"),
     (["--op", "gemv", "--layers", "2"], "--layers cuts the profiled decode step"),
     (["--op", "decode", "--timeline", "--layers", "2"], "--layers cuts the profiled decode step"),
+    (["--op", "decode", "--baseline"], "--baseline and --shapes choose kernel cases"),
+    (["--shapes", "4096x4096"], "--baseline and --shapes choose kernel cases"),
+    (["--timeline", "--iters", "3"], "--iters counts profiled runs"),
+    (["--steps", "4"], "--steps counts the steps --timeline traces"),
+    (["--op", "gemv", "--shapes", "4096x4096,,"], "no empty items"),
 ])
 def test_profile_app_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import re
+
+_SHAPE = re.compile(r"(\d+)x(\d+)", re.ASCII)
 
 
 def csv_list(text: str) -> list[str]:
-    return [item for item in text.split(",") if item]
+    """Comma-separated names; an empty list or an empty item (",", "a,,b") is an error, not "all"."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list with no empty items, got {text!r}")
+    return items
 
 
 def positive_int(text: str) -> int:
@@ -24,7 +31,7 @@ def density_list(text: str) -> list[float]:
     """Comma-separated densities in (0, 1], 1.0 meaning dense."""
     try:
         densities = [float(item) for item in csv_list(text)]
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise argparse.ArgumentTypeError(f"densities must be numbers in (0, 1], got {text!r}") from None
     if not densities or not all(0.0 < d <= 1.0 for d in densities):
         raise argparse.ArgumentTypeError(f"densities must be numbers in (0, 1], got {text!r}")
@@ -34,11 +41,14 @@ def density_list(text: str) -> list[float]:
 def matrix_shape_list(text: str) -> list[tuple[int, int]]:
     """Comma-separated NxK matrix shapes (rows x columns), e.g. 4096x11008,32000x4096."""
     shapes = []
-    for item in csv_list(text):
-        rows, _, cols = item.partition("x")
-        if not (rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0):
+    for item in text.split(","):
+        match = _SHAPE.fullmatch(item.strip())
+        if not (match and int(match[1]) > 0 and int(match[2]) > 0):
             raise argparse.ArgumentTypeError(f"shapes must be NxK with positive N and K, got {item!r}")
-        shapes.append((int(rows), int(cols)))
-    if not shapes:
-        raise argparse.ArgumentTypeError(f"no shape in {text!r}; pass NxK,...")
+        shapes.append((int(match[1]), int(match[2])))
     return shapes
+
+
+def token_count_list(text: str) -> list[int]:
+    """Comma-separated token counts, each at least 1."""
+    return [positive_int(item) for item in csv_list(text)]

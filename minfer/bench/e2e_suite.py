@@ -29,7 +29,7 @@ COLUMNS = [
     Column("embedding", "embedding"),
     Column("phase", "phase"),
     Column("tokens", "tokens"),
-    Column("ms", "ms", "{:.1f}"),
+    Column("ms", "ms (prefill: all; decode: per token)", "{:.1f}"),
     Column("tok_s", "tok/s", "{:.1f}"),
     Column("gb_s", "weights GB/s", "{:.0f}"),
     Column("pct_copy", "% copy BW", "{:.1f}"),

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from .. import ops
 from . import report
+from ..errors import MinferError
+from .arg_types import matrix_shape_list, positive_int, token_count_list
 from .cases_gemv import DECODE_SHAPES
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
@@ -49,19 +51,21 @@ def sweep_shape(n: int, k: int, tokens: int, dtype: torch.dtype, copy_gbs: float
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minfer.bench.gemv_sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=None, help="comma list of NxK (default: the Llama decode shapes)")
-    parser.add_argument("--tokens", default="1", help="comma list of token counts, 1..8 (default: 1)")
+    parser.add_argument("--shapes", type=matrix_shape_list, default=None,
+                        help="comma list of NxK (default: the Llama decode shapes)")
+    parser.add_argument("--tokens", type=token_count_list, default=[1],
+                        help=f"comma list of token counts, 1..{ops.GEMV_MAX_TOKENS} (default: 1)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    parser.add_argument("--reps", type=int, default=20, help="timed replays per measurement (median)")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed replays per measurement (median)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     args = parser.parse_args(argv)
+    shapes = args.shapes or DECODE_SHAPES
+    token_counts = args.tokens
+    if not all(t <= ops.GEMV_MAX_TOKENS for t in token_counts):
+        parser.error(f"--tokens must lie in 1..{ops.GEMV_MAX_TOKENS}")
     if not torch.cuda.is_available():
         print("error: the GEMV sweep needs a CUDA GPU", file=sys.stderr)
         return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else DECODE_SHAPES
-    token_counts = [int(t) for t in args.tokens.split(",")]
-    if not all(1 <= t <= ops.GEMV_MAX_TOKENS for t in token_counts):
-        parser.error(f"--tokens must lie in 1..{ops.GEMV_MAX_TOKENS}")
     env = report.environment()
     report.print_environment(env)
     copy_gbs = copy_bandwidth_gbs()
@@ -74,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     report.print_table(f"GEMV launch configurations ({env.get('device')})", COLUMNS, rows)
     if args.json:
-        report.write_json(args.json, env, {"gemv_sweep": rows})
+        try:
+            report.write_json(args.json, env, {"gemv_sweep": rows})
+        except MinferError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     return 0
 

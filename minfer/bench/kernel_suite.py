@@ -88,11 +88,14 @@ def select(ops: list[str] | None = None, shapes: list[str] | None = None,
         raise MinferError(f"unknown op(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     cases = [case for op in (ops or known) for case in _factories[op](dtype)]
     if shapes:
-        chosen = [case for case in cases if case.shape.split()[0] in shapes or case.shape in shapes]
-        if not chosen:
+        def matches(case, shape):
+            return shape in (case.shape, case.shape.split()[0])
+
+        missing = [shape for shape in shapes if not any(matches(case, shape) for case in cases)]
+        if missing:
             labels = ", ".join(dict.fromkeys(case.shape.split()[0] for case in cases))
-            raise MinferError(f"no case has shape {', '.join(shapes)}; the shapes are {labels}")
-        cases = chosen
+            raise MinferError(f"no case has shape {', '.join(missing)}; the shapes are {labels}")
+        cases = [case for case in cases if any(matches(case, shape) for shape in shapes)]
     return cases
 
 

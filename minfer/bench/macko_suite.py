@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..errors import MinferError
 from ..model import EMBEDDING_PLACES
 from . import report
 from .arg_types import density_list, matrix_shape_list, positive_int
@@ -40,22 +42,22 @@ REFERENCE_SCHEDULE = dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0)
 
 COLUMNS = {
     "spmv": [report.Column(*c) for c in [
-        ("shape", "shape"), ("density", "d", "{:.1f}"), ("mb", "MACKO MB", "{:.1f}"),
+        ("shape", "shape"), ("density", "d", "{:g}"), ("mb", "MACKO MB", "{:.1f}"),
         ("minfer_ms", "minfer ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"), ("pct_copy", "% copy", "{:.1f}"),
         ("ref_schedule_ms", "ref-sched ms", "{:.4f}"), ("vs_ref_schedule", "vs ref", "{:.2f}x"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
         ("gemv_ms", "minfer gemv ms", "{:.4f}"), ("csr_ms", "CSR ms", "{:.4f}"), ("vs_csr", "vs CSR", "{:.1f}x"),
         ("reference_ms", "dense ref ms", "{:.3f}"), ("vs_reference", "vs dense ref", "{:.1f}x")]],
     "sweep": [report.Column(*c) for c in [
-        ("shape", "shape"), ("density", "d", "{:.1f}"), ("config", "steps/warps/x-in-smem"),
+        ("shape", "shape"), ("density", "d", "{:g}"), ("config", "steps/warps/x-in-smem"),
         ("minfer_ms", "ms", "{:.4f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "spmm": [report.Column(*c) for c in [
-        ("shape", "shape"), ("density", "d", "{:.1f}"), ("tokens", "T"), ("cuda_core_ms", "CUDA-core ms", "{:.4f}"),
+        ("shape", "shape"), ("density", "d", "{:g}"), ("tokens", "T"), ("cuda_core_ms", "CUDA-core ms", "{:.4f}"),
         ("tensor_core_ms", "tensor-core ms", "{:.4f}"), ("path", "minfer takes"), ("minfer_ms", "minfer ms", "{:.4f}"),
         ("pct_copy", "% copy", "{:.1f}"), ("vs_spmv", "x SpMV time", "{:.2f}"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x")]],
     "decompress": [report.Column(*c) for c in [
-        ("shape", "shape"), ("density", "d", "{:.1f}"), ("minfer_ms", "ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"),
+        ("shape", "shape"), ("density", "d", "{:g}"), ("minfer_ms", "ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"),
         ("pct_copy", "% copy", "{:.1f}")]],
     "e2e": [report.Column(*c) for c in [
         ("model", "model"), ("format", "weights"), ("embedding", "embedding"), ("weight_gb", "weights GB", "{:.2f}"),
@@ -152,6 +154,18 @@ def spmv_rows(m: Matrix, copy_gbs: float, replays: int) -> dict:
             "reference_ms": reference_ms, "vs_reference": reference_ms / ms, "nonzeros": m.nonzeros}
 
 
+def skipped_sections(sections, densities) -> list[str]:
+    """What `run` leaves out at these densities: SpMM runs at SPMM_DENSITIES only, decompression at 0.5."""
+    notes = []
+    if "spmm" in sections and not set(densities) & set(SPMM_DENSITIES):
+        notes.append(f"SpMM runs at densities {', '.join(map(str, SPMM_DENSITIES))} only: none of these")
+    if "decompress" in sections and 0.5 not in densities:
+        notes.append("decompression runs at density 0.5 only: not among these")
+    if "sweep" in sections and not set(densities) & set(SWEEP_DENSITIES):
+        notes.append(f"the sweep runs at densities {', '.join(map(str, SWEEP_DENSITIES))} only: none of these")
+    return notes
+
+
 def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=torch.float16, replays=20,
         on_row: Callable[[str, dict], None] = lambda section, row: None) -> tuple[float, dict[str, list[dict]]]:
     copy_gbs = copy_bandwidth_gbs()
@@ -209,7 +223,7 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
     from ..sparsity import prune_model_
     from . import e2e_suite
 
-    rows, dense_tok_s = [], None
+    rows = []
     for density in densities:
         release_scratch()  # the previous model and its prefill buffer belong to their own peak
         gc.collect()
@@ -226,12 +240,13 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
         placed = model.embedding_place()  # a tied embedding stays on the GPU whatever was asked
         del model  # freed with the scratch at the next density's start
-        dense_tok_s = dense_tok_s or (stats["decode_tok_s"] if density == 1.0 else None)
         row = {"model": model_name, "density": density, "format": "dense" if density == 1.0 else f"macko d={density}",
-               "embedding": placed, "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs,
-               "vs_dense": stats["decode_tok_s"] / dense_tok_s if dense_tok_s else None}
+               "embedding": placed, "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs}
         rows.append(row)
         on_row("e2e", {**row, "shape": model_name, "minfer_ms": 1e3 / stats["decode_tok_s"]})
+    dense_tok_s = next((row["decode_tok_s"] for row in rows if row["density"] == 1.0), None)
+    for row in rows:  # wherever 1.0 came in the list
+        row["vs_dense"] = row["decode_tok_s"] / dense_tok_s if dense_tok_s else None
     return rows
 
 
@@ -251,7 +266,9 @@ def plot_e2e(path: str, rows: list[dict], title: str) -> None:
     memory.legend()
     fig.suptitle(title)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,15 +289,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH", help="e2e: write a PNG of decode speed and memory per density")
     args = parser.parse_args(argv)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - {*SECTIONS, "e2e"}
+    if unknown or not sections:
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown)) or repr(args.sections)}")
     if not torch.cuda.is_available():
         print("error: the MACKO study needs a CUDA GPU", file=sys.stderr)
         return 2
-    sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - {*SECTIONS, "e2e"}
-    if unknown:
-        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}")
+    try:
+        return study(args, sections)
+    except MinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def study(args: argparse.Namespace, sections: list[str]) -> int:
     shapes = args.shapes or LLAMA2_7B_SHAPES
     densities = args.densities or DENSITIES
+    for note in skipped_sections(sections, densities):
+        print(f"note: {note}")
     env = report.environment()
     report.print_environment(env)
     done: dict[str, list[dict]] = {s: [] for s in sections}

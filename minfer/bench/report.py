@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import MinferError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -73,8 +75,11 @@ def print_environment(env: dict) -> None:
 
 
 def write_json(path: str | Path, env: dict, suites: dict[str, list[dict]]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"environment": env, **suites}, indent=2, default=str) + "\n")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"environment": env, **suites}, indent=2, default=str) + "\n")
+    except OSError as exc:
+        raise MinferError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def plot(path: str | Path, env: dict, kernel_rows: list[dict], e2e_rows: list[dict]) -> None:
