@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
     model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
-    sparsity = sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note)
+    sparsity = sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note, resolved.is_random)
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
         note("NOTE: the embedding is tied to lm_head, which reads it every step: it stays on the GPU.")

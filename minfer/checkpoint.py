@@ -89,7 +89,10 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     if weights == "none":
         return ResolvedModel(model, config, None, find_tokenizer(folder, required=True), is_random=False)
     weight_files(folder)  # fail now, before any allocation, if there is nothing to load
-    return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True), is_random=False)
+    from .sparsity.compressed import holds_random_weights
+
+    return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True),
+                         is_random=holds_random_weights(folder))
 
 
 def find_tokenizer(folder: Path, required: bool) -> Path | None:

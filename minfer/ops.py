@@ -370,6 +370,9 @@ def _macko_entry_columns(nibbles: torch.Tensor, starts: torch.Tensor) -> tuple[t
     return row_of, ends[1:] - 1 - ends[starts[:-1]][row_of]
 
 
+_MACKO_BLOCK_ENTRIES = 1 << 24  # entries the vectorized MACKO helpers handle at once (bounds the temporaries)
+
+
 def _check_macko_extent(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor) -> int:
     if row_ptr.numel() == 0:
         raise FormatError("row_ptr must hold rows + 1 offsets, got an empty tensor")
@@ -377,7 +380,27 @@ def _check_macko_extent(values: torch.Tensor, deltas: torch.Tensor, row_ptr: tor
     if stored > values.numel() or 2 * deltas.numel() < stored:
         raise FormatError(f"row_ptr ends at {stored} entries but values holds {values.numel()} "
                           f"and deltas {2 * deltas.numel()}: the MACKO arrays are inconsistent")
+    if int(row_ptr[0]) != 0 or bool((row_ptr.diff() < 0).any()):
+        raise FormatError("row_ptr must start at 0 and never decrease: the MACKO arrays are inconsistent")
     return stored
+
+
+def check_macko_arrays(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, cols: int) -> None:
+    """Raise FormatError unless the arrays encode a matrix of `cols` columns: row_ptr from 0, never
+    decreasing, within values and deltas, and every row's entries inside the columns. Loaders run it
+    on every file's arrays, since the kernels trust them. In blocks of rows (bounded temporaries)."""
+    stored = _check_macko_extent(values, deltas, row_ptr)
+    nibbles = unpack_nibbles(deltas, stored)
+    starts = row_ptr.long()
+    block_rows = max(1, _MACKO_BLOCK_ENTRIES // (cols + cols // 15 + 1))  # a valid row stores at most that many
+    for first in range(0, row_ptr.numel() - 1, block_rows):
+        bounds = starts[first:first + block_rows + 1]
+        begin, end = int(bounds[0]), int(bounds[-1])
+        used = torch.cat((bounds.new_zeros(1), (nibbles[begin:end].long() + 1).cumsum(0)))
+        spans = used[bounds[1:] - begin] - used[bounds[:-1] - begin]  # columns each row's entries reach
+        if spans.numel() and int(spans.max()) > cols:
+            raise FormatError(f"the MACKO arrays place an entry past column {cols - 1}; they do not encode "
+                              f"a matrix with {cols} columns")
 
 
 def _check_macko_columns(col_of: torch.Tensor, cols: int) -> None:
@@ -401,7 +424,6 @@ MACKO_WINDOW_COLS = 1024  # kernels/macko.h, kMackoWindowCols
 MACKO_TILE_ROWS = 32  # kernels/macko.h, kMackoTileRows
 MACKO_TENSOR_CORE_MAX_COLS = 1 << 23  # kernels/macko.h, kMackoTensorCoreMaxCols
 _ORIGIN_BIAS = 15  # kernels/macko.h: a run's origin, -15 to 112, is stored plus this
-_WINDOW_TABLE_ENTRIES = 1 << 24  # entries handled at once (bounds the temporaries)
 
 
 def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, cols: int) -> torch.Tensor:
@@ -423,7 +445,7 @@ def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torc
     starts = row_ptr.long()
     nibbles = unpack_nibbles(deltas, stored)
     window_starts = torch.arange(1, windows, device=row_ptr.device) * MACKO_WINDOW_COLS
-    block_rows = max(1, _WINDOW_TABLE_ENTRIES // (cols + cols // 15 + 1))  # a row stores at most that many
+    block_rows = max(1, _MACKO_BLOCK_ENTRIES // (cols + cols // 15 + 1))  # a row stores at most that many
     for first in range(0, rows, block_rows):
         bounds = starts[first:first + block_rows + 1]
         begin, end = int(bounds[0]), int(bounds[-1])

@@ -135,7 +135,7 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-seq-len", "5000"],
      ["--calib-seq-len 5000 exceeds the 1024 positions"]),
     (["--sparse", "macko", "--density", "1.5"], ["density must be in (0, 1]"]),
-    (["--sparse", "macko", "--density", "0.5", "--save-compressed", str(APP)], ["--save-compressed", "is a file"]),
+    (["--sparse", "macko", "--density", "0.5", "--save-compressed", str(APP)], ["--save-compressed", "is not a folder"]),
     (["--macko-reference", "/no/such/file"], ["--macko-reference /no/such/file does not exist"]),
     (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-samples", "0"],
      ["--calib-samples must be at least 1"]),
@@ -143,6 +143,11 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
      ["--calib-text /no/such.txt does not exist"]),
     (["--macko-reference", str(APP), "--weights", "random"], ["drop --weights random"]),
     (["--density", "0.5", "--save-compressed", "/no/such/folder"], ["--save-compressed writes compressed", "--sparse macko"]),
+    (["--sparse", "macko", "--density", "0.5", "--save-compressed", ""], ["--save-compressed is empty"]),
+    (["--macko-reference", ""], ["--macko-reference is empty"]),
+    (["--sparse", "macko", "--density", "0.5", "--save-compressed", f"{APP}/sub"], ["--save-compressed: cannot create"]),
+    (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-text", str(APP.parent)],
+     ["--calib-text", "is a folder, not a file"]),
 ])
 def test_bad_flag_values_in_process(capsys, args, fragments):
     """The same contract for flag values, through main() in this process."""
@@ -330,6 +335,58 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
         assert_input_error(cli("--device", "cpu", "--model", str(source), *flags, "--save-compressed", str(source)),
                            "is the folder the weights are read from")
         assert {path: path.stat().st_mtime_ns for path in source.iterdir()} == files  # nothing written
+
+
+def test_save_compressed_refuses_a_folder_holding_another_checkpoint(local_checkpoint, tmp_path):
+    """A non-empty folder is written only when an earlier compressed save made it: another
+    checkpoint's files (here an HF one, also with --weights random) are never overwritten."""
+    victim = tmp_path / "victim"
+    shutil.copytree(local_checkpoint, victim)
+    files = {path: path.stat().st_mtime_ns for path in victim.iterdir()}
+    other = tmp_path / "other"
+    shutil.copytree(local_checkpoint, other)
+    for flags in (("--model", str(local_checkpoint)), ("--model", str(victim), "--weights", "random")):
+        target = other if "random" not in flags else victim
+        assert_input_error(cli("--device", "cpu", *flags, "--sparse", "macko", "--density", "0.5",
+                               "--save-compressed", str(target)), "--save-compressed")
+    assert {path: path.stat().st_mtime_ns for path in victim.iterdir()} == files
+    folder = tmp_path / "macko"
+    for density in ("0.5", "0.25"):  # the second save replaces the first
+        sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", density,
+                    "--save-compressed", str(folder))
+    assert sparse_json("--model", str(folder))["sparsity"]["density"] == 0.25
+
+
+def test_compressed_random_weights_reload_as_random(tmp_path):
+    folder = tmp_path / "random-macko"
+    saved = sparse_json("--weights", "random", "--sparse", "macko", "--density", "0.5", "--save-compressed",
+                        str(folder))
+    again = sparse_json("--model", str(folder))
+    assert saved["random_weights"] is again["random_weights"] is True and "RANDOM" in again["stderr"]
+
+
+def test_corrupt_macko_arrays_are_refused_when_loaded(local_checkpoint, tmp_path):
+    """row_ptr out of order or past the values, and entries past the last column: one error line
+    naming the projection, not a crash in the kernels or the reference path."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "macko"
+    sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.5",
+                "--save-compressed", str(folder))
+    file = folder / "model.safetensors"
+    with safe_open(str(file), "pt") as f:
+        metadata = f.metadata()
+    original = load_file(str(file))
+    key = next(name for name in original if name.endswith("qkv_proj.fmt.row_ptr"))
+    deltas_key = key.replace("row_ptr", "deltas")
+    for corrupt in ({key: original[key].flip(0).contiguous()}, {key: original[key] + 1000},
+                    {deltas_key: torch.full_like(original[deltas_key], 255)}):
+        save_file({**original, **corrupt}, str(file), metadata=metadata)
+        result = cli("--device", "cpu", "--model", str(folder))
+        last = result.stderr.splitlines()[-1]
+        assert result.returncode == 2 and last.startswith("error: ") and "qkv_proj" in last and "MACKO" in last, \
+            result.stderr
 
 
 def test_density_without_a_sparse_format_says_the_weights_stay_dense(local_checkpoint):

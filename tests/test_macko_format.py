@@ -323,6 +323,7 @@ def test_load_reference_tool_checkpoint(tmp_path, trailing_zeros):
     also from an older version that kept the stored zeros after each row's last nonzero."""
     from minfer.checkpoint import hf_state_dict
     from minfer.model import Transformer
+    from minfer.errors import CheckpointError
     from minfer.sparsity.compressed import load_reference_macko
 
     model = tiny_pruned_model(torch.float16)
@@ -346,3 +347,7 @@ def test_load_reference_tool_checkpoint(tmp_path, trailing_zeros):
         assert_same_arrays((sparse.fmt.values, sparse.fmt.deltas, sparse.fmt.row_ptr),
                            compressor(dense.fmt.weight.contiguous()))
     assert torch.equal(logits(convert(model, "macko")), logits(loaded))
+    key = next(name for name in state if name.endswith(".c_2") and int(state[name][-1]) > 0)
+    torch.save({**state, key: state[key].flip(0)}, tmp_path / "reversed_row_ptr")
+    with pytest.raises(CheckpointError, match=r"\.c_0 \.\. .*\.c_2 .*row_ptr must start at 0 and never decrease"):
+        load_reference_macko(Transformer(model.config), tmp_path / "reversed_row_ptr", torch.float16, "cpu")

@@ -65,7 +65,7 @@ def test_window_table_at_window_edges_and_in_row_blocks(monkeypatch):
     values, deltas, row_ptr = compress(matrix)
     expected = window_table_by_walking(matrix)
     assert torch.equal(ops.macko_window_table(values, deltas, row_ptr, 2600), expected)
-    monkeypatch.setattr(ops, "_WINDOW_TABLE_ENTRIES", 3 * 2600)  # blocks of 1 row
+    monkeypatch.setattr(ops, "_MACKO_BLOCK_ENTRIES", 3 * 2600)  # blocks of 1 row
     assert torch.equal(ops.macko_window_table(values, deltas, row_ptr, 2600), expected)
 
 

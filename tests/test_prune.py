@@ -117,6 +117,17 @@ def test_calibration_tokens_from_the_shipped_text_and_a_file(tmp_path):
     for samples, seq_len in ((0, 30), (2, 0), (-1, 30)):
         with pytest.raises(MinferError, match="at least 1 sample"):
             calibration_tokens(Chars(), samples, seq_len, text)
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe text")
+    with pytest.raises(MinferError, match="is not UTF-8 text"):
+        calibration_tokens(Chars(), 1, 4, binary)
+
+
+def test_a_density_that_keeps_no_weight_of_a_row_is_refused():
+    weight = torch.randn(3, 64)
+    with pytest.raises(MinferError, match="keeps round.* = 0 weights of a 64-column row"):
+        prune_magnitude_(weight, 0.001)
+    assert int((prune_magnitude_(weight, 0.02) != 0).sum()) == 3  # round(1.28) = 1 per row
 
 
 def test_generation_runs_after_pruning_and_compression():

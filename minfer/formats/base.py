@@ -55,6 +55,10 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
             y = ops.silu_mul(y)
         return y if residual is None else residual.add_(y)
 
+    def check(self) -> None:
+        """Raise FormatError when the stored buffers do not encode a matrix of `shape` (loaders run it
+        on what they read from files; a dense matrix always does)."""
+
     @property
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)

@@ -150,6 +150,9 @@ class MackoWeight(WeightFormat):
                    torch.empty(padded_entries // 2, dtype=torch.uint8, device=device),
                    torch.empty(shape[0] + 1, dtype=torch.int32, device=device), shape)
 
+    def check(self) -> None:
+        ops.check_macko_arrays(self.values, self.deltas, self.row_ptr, self.in_features)
+
     def to_dense(self) -> torch.Tensor:
         return ops.macko_decompress(self.values, self.deltas, self.row_ptr, cols=self.in_features)
 

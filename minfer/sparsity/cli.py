@@ -90,9 +90,14 @@ def check(args: argparse.Namespace, resolved) -> None:
     for flag, value in (("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):
         if value is not None and value < 1:
             raise MinferError(f"{flag} must be at least 1, got {value}")
+    for flag, value in (("--macko-reference", args.macko_reference), ("--calib-text", args.calib_text),
+                        ("--save-compressed", args.save_compressed)):
+        if value is not None and not value.strip():
+            raise MinferError(f"{flag} is empty; pass a path")
     for flag, value in (("--macko-reference", args.macko_reference), ("--calib-text", args.calib_text)):
         if value and not Path(value).is_file():
-            raise MinferError(f"{flag} {value} does not exist")
+            what = "is a folder, not a file" if Path(value).is_dir() else "does not exist"
+            raise MinferError(f"{flag} {value} {what}")
     if args.density is not None and compressed_source(args, resolved) is not None:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
                           "weights: start from the dense checkpoint")
@@ -101,20 +106,27 @@ def check(args: argparse.Namespace, resolved) -> None:
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
     _, seq_len = calibration_shape(args)
     if args.prune == "wanda" and seq_len > resolved.config.max_position_embeddings:
-        raise MinferError(f"--calib-seq-len {seq_len} exceeds the {resolved.config.max_position_embeddings} "
+        given = "" if args.calib_seq_len is not None else " (the default)"
+        raise MinferError(f"--calib-seq-len {seq_len}{given} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
     if args.save_compressed:
         if format_class(args.sparse).name == "dense" and compressed_source(args, resolved) is None:
             raise MinferError("--save-compressed writes compressed projections; add --sparse macko (and --density D "
                               "to prune first, e.g. --density 0.5)")
-        target = Path(args.save_compressed)
-        if target.is_file():
-            raise MinferError(f"--save-compressed {target} is a file; pass a folder to write the model into")
+        from .compressed import check_save_target
+
+        target = Path(args.save_compressed).expanduser()
         sources = [Path(args.macko_reference).parent] if args.macko_reference else []
         sources += [resolved.path] if resolved.path is not None else []
+        if args.model and Path(args.model).expanduser().is_dir():  # with random weights too: its files stay
+            sources.append(Path(args.model).expanduser())
         if target.is_dir() and any(target.samefile(source) for source in sources):
             raise MinferError(f"--save-compressed {target} is the folder the weights are read from; "
                               "pass a new folder")
+        try:
+            check_save_target(target)  # now, not after loading and pruning
+        except MinferError as exc:
+            raise MinferError(f"--save-compressed: {exc}") from None
 
 
 def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) -> int | None:
@@ -140,9 +152,10 @@ def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argpars
 
 
 def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path: Path | None,
-          note: Callable[[str], None]) -> list[BlockReport] | None:
-    """Prune (--density, --prune), convert to --sparse, report, and save (--save-compressed).
-    Returns the per-block report when the projections are pruned or stored sparse."""
+          note: Callable[[str], None], random_weights: bool = False) -> list[BlockReport] | None:
+    """Prune (--density, --prune), convert to --sparse, report, and save (--save-compressed; a save
+    of `random_weights` says so in its file). Returns the per-block report when the projections are
+    pruned or stored sparse."""
     from ..formats import convert, format_class
 
     cls = format_class(args.sparse)
@@ -174,6 +187,7 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
     if args.save_compressed:
         from .compressed import save_compressed
 
-        folder = save_compressed(model, args.save_compressed, tokenizer_path, progress=True)
+        folder = save_compressed(model, args.save_compressed, tokenizer_path, progress=True,
+                                 random_weights=random_weights)
         note(f"saved the compressed model to {folder}; run it with --model {folder}")
     return reports

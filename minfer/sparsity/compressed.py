@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from contextlib import ExitStack
@@ -26,48 +27,77 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FormatError
 from ..formats import FORMATS, DenseWeight, MackoWeight
 from ..formats.macko import concat_rows
+from ..ops import check_macko_arrays
 
 METADATA_KEY = "minfer_formats"
+RANDOM_KEY = "minfer_random_weights"  # "true" when the saved weights were random numbers
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+# What save_compressed writes (".partial": its temporary files); a folder holding anything else is not its own.
+SAVED_FILES = {WEIGHTS_FILE, CONFIG_FILE, *TOKENIZER_FILES, WEIGHTS_FILE + ".partial", CONFIG_FILE + ".partial"}
+
+
+def check_save_target(folder: str | Path) -> Path:
+    """Make `folder` if it is missing; refuse a path that is not a folder, one that cannot be
+    written, and a non-empty folder other than an earlier compressed save (another model's files
+    would be overwritten or left beside these)."""
+    folder = Path(folder).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder; pass a folder to write the model into")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot create the folder {folder} ({exc.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write into {folder}")
+    foreign = sorted(path.name for path in folder.iterdir() if path.name not in SAVED_FILES)
+    if foreign or ((folder / WEIGHTS_FILE).exists() and not is_compressed(folder)) or (
+            (folder / CONFIG_FILE).exists() and not (folder / WEIGHTS_FILE).exists()):
+        example = foreign[0] if foreign else WEIGHTS_FILE if (folder / WEIGHTS_FILE).exists() else CONFIG_FILE
+        raise CheckpointError(f"{folder} holds files that are not a minfer compressed checkpoint (e.g. {example}); "
+                              "pass a new or empty folder")
+    return folder
 
 
 def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None,
-                    progress: bool = False) -> Path:
-    """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder.
-    Config and tokenizer are written first and the weights last, through a temporary file renamed
-    when complete: an interrupted save leaves no truncated model.safetensors (nor replaces an
-    earlier complete one), and no weights beside another model's config."""
+                    progress: bool = False, random_weights: bool = False) -> Path:
+    """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder:
+    a new or empty one, or one an earlier save wrote (check_save_target). Weights and config go to
+    temporary files renamed only once both are complete, so an interrupted save leaves the folder's
+    earlier checkpoint, if any, whole. `random_weights` is kept in the file, so the reloaded model
+    is still reported as random."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"{folder} is a file; pass a folder to write the model into")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = check_save_target(folder)
     layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)}
               for name, linear in model.projections()}
-    (folder / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
-    if tokenizer_path is not None:
-        target = folder / Path(tokenizer_path).name
-        if not (target.exists() and target.samefile(tokenizer_path)):
-            for stale in ("tokenizer.model", "tokenizer.json"):  # a leftover one would be found first
-                (folder / stale).unlink(missing_ok=True)
-            shutil.copyfile(tokenizer_path, target)
     source = model.checkpoint_tensors()
     tensors = {name: _file_copy(t)
                for name, t in tqdm(source.items(), desc="copying to host", unit="tensor", disable=not progress)}
     if progress:
         print(f"writing {sum(t.nbytes for t in tensors.values()) / 1e9:.2f} GB to {folder / WEIGHTS_FILE}",
               file=sys.stderr, flush=True)
-    partial = folder / (WEIGHTS_FILE + ".partial")
+    partial, partial_config = folder / (WEIGHTS_FILE + ".partial"), folder / (CONFIG_FILE + ".partial")
+    metadata = {"format": "pt", METADATA_KEY: json.dumps(layout), RANDOM_KEY: json.dumps(random_weights)}
     try:
-        save_file(tensors, partial, metadata={"format": "pt", METADATA_KEY: json.dumps(layout)})
+        save_file(tensors, partial, metadata=metadata)
+        partial_config.write_text(json.dumps(model.config.to_hf(), indent=2))
     except BaseException:
         partial.unlink(missing_ok=True)
+        partial_config.unlink(missing_ok=True)
         raise
     partial.replace(folder / WEIGHTS_FILE)
+    partial_config.replace(folder / CONFIG_FILE)
+    if tokenizer_path is not None:
+        target = folder / Path(tokenizer_path).name
+        if not (target.exists() and target.samefile(tokenizer_path)):
+            for stale in TOKENIZER_FILES:  # a leftover one would be found first
+                (folder / stale).unlink(missing_ok=True)
+            shutil.copyfile(tokenizer_path, target)
     return folder
 
 
@@ -84,20 +114,29 @@ def _file_copy(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _layout(folder: Path) -> dict | None:
+def _metadata(folder: Path) -> dict:
     from ..checkpoint import open_safetensors
 
     file = folder / WEIGHTS_FILE
     if not file.is_file():
-        return None
+        return {}
     with open_safetensors(file) as f:
-        metadata = f.metadata() or {}
+        return f.metadata() or {}
+
+
+def _layout(folder: Path) -> dict | None:
+    metadata = _metadata(folder)
     return json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
 
 
 def is_compressed(folder: str | Path) -> bool:
     """True when `folder` holds a checkpoint written by `save_compressed`."""
     return _layout(Path(folder)) is not None
+
+
+def holds_random_weights(folder: str | Path) -> bool:
+    """True when `folder` is a compressed checkpoint saved from random weights."""
+    return json.loads(_metadata(Path(folder)).get(RANDOM_KEY, "false")) is True
 
 
 def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str], where: str,
@@ -120,6 +159,11 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
                 raise CheckpointError(f"tensor {name} in {where} has shape {tuple(source.shape)}, "
                                       f"expected {tuple(target.shape)}")
             target.copy_(source)
+    for name, linear in model.projections():
+        try:
+            linear.fmt.check()
+        except FormatError as exc:
+            raise CheckpointError(f"{name} in {where}: {exc}") from None
     return model
 
 
@@ -194,7 +238,12 @@ def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
         rows, cols = (int(state[k]) for k in keys[3:])
         if (rows, cols) != shape:
             raise CheckpointError(f"{keys[0]} in {file} is {rows}x{cols}, expected {shape[0]}x{shape[1]}")
-        parts.setdefault(target.removesuffix(".weight"), []).append((row, [state[k] for k in keys[:3]]))
+        arrays = [state[k] for k in keys[:3]]
+        try:
+            check_macko_arrays(*arrays, cols)
+        except FormatError as exc:
+            raise CheckpointError(f"{keys[0]} .. {keys[2]} in {file}: {exc}") from None
+        parts.setdefault(target.removesuffix(".weight"), []).append((row, arrays))
     formats = {}
     fused: dict[str, tuple[torch.Tensor, ...]] = {}
     for fmt_name, pieces in tqdm(parts.items(), desc="stacking q/k/v and gate/up rows", unit="matrix",

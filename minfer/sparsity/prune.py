@@ -31,7 +31,11 @@ def check_density(density: float) -> None:
 
 def keep_per_row(cols: int, density: float) -> int:
     check_density(density)
-    return round(density * cols)
+    keep = round(density * cols)
+    if keep == 0:
+        raise MinferError(f"density {density} keeps round({density} * {cols}) = 0 weights of a {cols}-column row; "
+                          f"pass more than {0.5 / cols:.2g}")
+    return keep
 
 
 def prune_by_score_(weight: torch.Tensor, score: torch.Tensor, density: float) -> torch.Tensor:
@@ -131,7 +135,11 @@ def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | P
         path = Path(text_file)
         if not path.is_file():
             raise MinferError(f"calibration text {path} does not exist; pass a UTF-8 text file")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise MinferError(f"calibration text {path} is not UTF-8 text (byte {exc.start}: "
+                              f"{exc.object[exc.start:exc.start + 1]!r}); pass a UTF-8 text file") from None
     else:
         from ..demo import corpus_lines
 
