@@ -135,15 +135,22 @@ def run(args: argparse.Namespace) -> int:
     macko_rows: list[dict] = []
     macko_kernel_rows: dict[str, list[dict]] = {}
 
+    def write_json() -> None:  # after every suite, so a run cut short keeps what it measured
+        if args.json:
+            report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
+                                               "macko": macko_kernel_rows})
+
     if args.suite in ("kernels", "all"):
         copy_gbs, kernel_rows = kernel_suite.run(
             args.ops, args.shapes, dtype, args.reps,
             on_row=lambda row: print(f"  {row['op']} {row['shape']}: {row['minfer_ms']:.4f} ms", flush=True))
         env["copy_gbs"] = round(copy_gbs, 1)
+        write_json()
     if args.suite in ("e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         e2e_rows = e2e_suite.run(args.model, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
                                  embedding=args.embedding)
+        write_json()
 
     if args.suite == "macko":
         densities = args.densities or macko_suite.DENSITIES
@@ -154,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             on_row=lambda section, row: print(f"  macko {section} {row['shape']} d{row['density']}: "
                                               f"{row['minfer_ms']:.4f} ms", flush=True))
         env["copy_gbs"] = round(copy_gbs, 1)
+        write_json()
     if args.suite in ("macko-e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         densities = args.densities or macko_suite.E2E_DENSITIES
@@ -176,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
         report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1, "
                            f"embedding on the {args.embedding}", macko_suite.COLUMNS["e2e"], macko_rows)
     if args.json:
-        report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
-                                           "macko": macko_kernel_rows})
+        write_json()
         print(f"wrote {args.json}")
     if args.plot and (kernel_rows or e2e_rows):
         report.plot(args.plot, env, kernel_rows, e2e_rows)

@@ -330,6 +330,8 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
     assert again["random_weights"] is False and "loading" in again["stderr"]
     assert_input_error(cli("--device", "cpu", "--model", str(folder), "--density", "0.3"),
                        "pruned already", "dense checkpoint")
+    assert_input_error(cli("--device", "cpu", "--model", str(folder), "--sparse", "dense"),
+                       "--sparse dense", "would not decompress")
     for source, flags in ((folder, ()), (local_checkpoint, ("--sparse", "macko", "--density", "0.5"))):
         files = {path: path.stat().st_mtime_ns for path in source.iterdir()}
         assert_input_error(cli("--device", "cpu", "--model", str(source), *flags, "--save-compressed", str(source)),

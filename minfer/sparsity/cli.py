@@ -101,6 +101,9 @@ def check(args: argparse.Namespace, resolved) -> None:
     if args.density is not None and compressed_source(args, resolved) is not None:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
                           "weights: start from the dense checkpoint")
+    if args.sparse == "dense" and compressed_source(args, resolved) is not None:
+        raise MinferError("this model is stored compressed and loads with its projections as stored; --sparse dense "
+                          "would not decompress them: drop --sparse, or start from the dense checkpoint")
     if args.density is None and resolved.is_random and format_class(args.sparse).name != "dense":
         raise MinferError(f"random weights have no zeros: --sparse {args.sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
