@@ -95,15 +95,18 @@ def check_e2e_model(args: argparse.Namespace) -> None:
                           f"the {config.max_position_embeddings} positions {args.model} supports")
 
 
-def check_output_path(flag: str, path: str) -> None:
-    """A missing folder is made now; one that cannot be written fails now, not after the run."""
-    folder = Path(path).expanduser().resolve().parent
+def check_output_path(flag: str, path: str) -> str:
+    """`path` with ~ expanded. A missing folder is made now; one that cannot be written fails now, not
+    after the run."""
+    path = str(Path(path).expanduser())
+    folder = Path(path).resolve().parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise MinferError(f"{flag} {path}: cannot create {folder} ({exc.strerror})") from None
     if Path(path).is_dir() or not os.access(folder, os.W_OK):
         raise MinferError(f"{flag} {path}: not a writable file path")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,9 +117,10 @@ def run(args: argparse.Namespace) -> int:
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            check_output_path(flag, path)
+    if args.json:
+        args.json = check_output_path("--json", args.json)
+    if args.plot:
+        args.plot = check_output_path("--plot", args.plot)
     if args.suite in E2E_SUITES:
         check_e2e_model(args)
     macko_shapes = macko_suite.LLAMA2_7B_SHAPES

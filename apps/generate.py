@@ -65,8 +65,9 @@ def build_parser() -> Parser:
     model.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                        help="weight and activation dtype (default: float16 on GPU, float32 on CPU)")
     model.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    model.add_argument("--sparse", choices=sorted({*formats.FORMATS, *formats.ALIASES}), default="none",
-                       help="weight format of the attention and MLP projections (default: none = dense)")
+    model.add_argument("--sparse", choices=sorted({*formats.FORMATS, *formats.ALIASES}), default=None,
+                       help="weight format of the attention and MLP projections (default: none = dense; a "
+                            "compressed model loads as stored)")
     model.add_argument("--backend", choices=ops.BACKENDS, default=ops.backend(),
                        help="minfer: our CUDA kernels on a GPU; torch: the plain-PyTorch path of the same model "
                             "(default: %(default)s, or $MINFER_BACKEND)")
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     stored = sparsity_cli.compressed_source(args, resolved) is not None
     note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {device}, "
          f"{'random' if resolved.is_random else 'checkpoint'} weights, "
-         f"{'projections as stored compressed' if stored else f'sparse={formats.format_class(args.sparse).name}'}")
+         f"{'projections as stored compressed' if stored else f'sparse={formats.format_class(sparsity_cli.sparse_format(args)).name}'}")
     if resolved.is_random:
         what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
         note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "

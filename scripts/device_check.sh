@@ -28,9 +28,10 @@ kernel_tests=(tests/test_gemv.py tests/test_argmax.py tests/test_rms_norm.py tes
               tests/test_decode_attention.py tests/test_macko_kernels.py tests/test_macko_tensor_core_spmm.py
               tests/test_hgemm.py tests/test_embedding.py)
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    parallel=()  # pytest-xdist, where installed (the device images have it; the project does not need it)
-    python3 -c "import xdist" 2>/dev/null && parallel=(-n 4)
-    timeout 300 python3 -m pytest "${parallel[@]}" -p no:cacheprovider tests > "$OUT/pytest.txt" 2>&1
+    parallel=(-p no:cacheprovider)  # plus pytest-xdist where installed (the device images have it)
+    limit=900
+    python3 -c "import xdist" 2>/dev/null && parallel+=(-n 4) && limit=300
+    timeout "$limit" python3 -m pytest "${parallel[@]}" tests > "$OUT/pytest.txt" 2>&1
     rc=$?; record "pytest (GPU)" $rc "$(tail -n 1 "$OUT/pytest.txt")"
     timeout 260 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
         python3 -m pytest -x -p no:cacheprovider "${kernel_tests[@]}" \

@@ -105,8 +105,9 @@ def test_macko_study_says_which_sections_its_densities_skip():
 def test_benchmark_app_makes_the_output_folders_before_it_runs(tmp_path, capsys, monkeypatch):
     """--json and --plot folders are made (and checked) before any suite runs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # stop right after the checks
+    monkeypatch.setenv("HOME", str(tmp_path))
     json_path, plot_path = tmp_path / "a" / "b.json", tmp_path / "c" / "d.png"
-    assert load_app(BENCHMARK_APP).main(["--json", str(json_path), "--plot", str(plot_path)]) == 2
+    assert load_app(BENCHMARK_APP).main(["--json", "~/a/b.json", "--plot", str(plot_path)]) == 2
     assert json_path.parent.is_dir() and plot_path.parent.is_dir()
     assert "needs a CUDA GPU" in capsys.readouterr().err
 

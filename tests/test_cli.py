@@ -330,8 +330,9 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
     assert again["random_weights"] is False and "loading" in again["stderr"]
     assert_input_error(cli("--device", "cpu", "--model", str(folder), "--density", "0.3"),
                        "pruned already", "dense checkpoint")
-    assert_input_error(cli("--device", "cpu", "--model", str(folder), "--sparse", "dense"),
-                       "--sparse dense", "would not decompress")
+    for explicit in ("dense", "none"):
+        assert_input_error(cli("--device", "cpu", "--model", str(folder), "--sparse", explicit),
+                           f"--sparse {explicit}", "would not decompress")
     for source, flags in ((folder, ()), (local_checkpoint, ("--sparse", "macko", "--density", "0.5"))):
         files = {path: path.stat().st_mtime_ns for path in source.iterdir()}
         assert_input_error(cli("--device", "cpu", "--model", str(source), *flags, "--save-compressed", str(source)),
@@ -344,14 +345,19 @@ def test_save_compressed_refuses_a_folder_holding_another_checkpoint(local_check
     checkpoint's files (here an HF one, also with --weights random) are never overwritten."""
     victim = tmp_path / "victim"
     shutil.copytree(local_checkpoint, victim)
-    files = {path: path.stat().st_mtime_ns for path in victim.iterdir()}
-    other = tmp_path / "other"
-    shutil.copytree(local_checkpoint, other)
-    for flags in (("--model", str(local_checkpoint)), ("--model", str(victim), "--weights", "random")):
-        target = other if "random" not in flags else victim
+    before = {path: path.stat().st_mtime_ns for path in victim.iterdir()}
+    for flags, message in ((("--model", str(local_checkpoint)), "not a minfer compressed checkpoint"),
+                           (("--weights", "random", "--model", str(local_checkpoint)), "not a minfer compressed"),
+                           (("--weights", "random", "--model", str(victim)), "the folder the weights are read from")):
         assert_input_error(cli("--device", "cpu", *flags, "--sparse", "macko", "--density", "0.5",
-                               "--save-compressed", str(target)), "--save-compressed")
-    assert {path: path.stat().st_mtime_ns for path in victim.iterdir()} == files
+                               "--save-compressed", str(victim)), "--save-compressed", message)
+    assert {path: path.stat().st_mtime_ns for path in victim.iterdir()} == before
+    leftover = tmp_path / "leftover"  # an earlier version's interrupted save, and a hidden file
+    leftover.mkdir()
+    for name in ("config.json", "tokenizer.model", ".DS_Store"):
+        shutil.copyfile(local_checkpoint / "config.json", leftover / name)
+    sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.5", "--save-compressed",
+                str(leftover))
     folder = tmp_path / "macko"
     for density in ("0.5", "0.25"):  # the second save replaces the first
         sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", density,
@@ -363,7 +369,7 @@ def test_compressed_random_weights_reload_as_random(tmp_path):
     folder = tmp_path / "random-macko"
     saved = sparse_json("--weights", "random", "--sparse", "macko", "--density", "0.5", "--save-compressed",
                         str(folder))
-    again = sparse_json("--model", str(folder))
+    again = sparse_json("--model", str(folder), "--sparse", "macko")  # as stored: no --density asked
     assert saved["random_weights"] is again["random_weights"] is True and "RANDOM" in again["stderr"]
 
 
@@ -382,7 +388,10 @@ def test_corrupt_macko_arrays_are_refused_when_loaded(local_checkpoint, tmp_path
     original = load_file(str(file))
     key = next(name for name in original if name.endswith("qkv_proj.fmt.row_ptr"))
     deltas_key = key.replace("row_ptr", "deltas")
-    for corrupt in ({key: original[key].flip(0).contiguous()}, {key: original[key] + 1000},
+    swapped = original[key].clone()
+    swapped[[1, 2]] = swapped[[2, 1]]  # from 0 to the stored count, but decreasing once
+    assert swapped[1] > swapped[2]
+    for corrupt in ({key: original[key].flip(0).contiguous()}, {key: original[key] + 1000}, {key: swapped},
                     {deltas_key: torch.full_like(original[deltas_key], 255)}):
         save_file({**original, **corrupt}, str(file), metadata=metadata)
         result = cli("--device", "cpu", "--model", str(folder))

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "weights are not downloaded")
 
 
+def sparse_format(args: argparse.Namespace) -> str:
+    """--sparse, or "none" (dense) when not given: a compressed model then loads as stored."""
+    return args.sparse or "none"
+
+
 def weight_formats(model: nn.Module) -> str:
     """The formats the projections are stored in, e.g. "macko" or "dense+macko"."""
     return "+".join(sorted({linear.fmt.name for _, linear in model.projections()}))
@@ -101,11 +106,12 @@ def check(args: argparse.Namespace, resolved) -> None:
     if args.density is not None and compressed_source(args, resolved) is not None:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
                           "weights: start from the dense checkpoint")
-    if args.sparse == "dense" and compressed_source(args, resolved) is not None:
-        raise MinferError("this model is stored compressed and loads with its projections as stored; --sparse dense "
-                          "would not decompress them: drop --sparse, or start from the dense checkpoint")
-    if args.density is None and resolved.is_random and format_class(args.sparse).name != "dense":
-        raise MinferError(f"random weights have no zeros: --sparse {args.sparse} alone would store every weight "
+    stored = compressed_source(args, resolved) is not None
+    if args.sparse is not None and format_class(args.sparse).name == "dense" and stored:
+        raise MinferError(f"this model is stored compressed and loads with its projections as stored; --sparse "
+                          f"{args.sparse} would not decompress them: drop --sparse, or start from the dense checkpoint")
+    if args.density is None and resolved.is_random and format_class(sparse_format(args)).name != "dense" and not stored:
+        raise MinferError(f"random weights have no zeros: --sparse {sparse_format(args)} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
     _, seq_len = calibration_shape(args)
     if args.prune == "wanda" and seq_len > resolved.config.max_position_embeddings:
@@ -113,7 +119,7 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"--calib-seq-len {seq_len}{given} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
     if args.save_compressed:
-        if format_class(args.sparse).name == "dense" and compressed_source(args, resolved) is None:
+        if format_class(sparse_format(args)).name == "dense" and not stored:
             raise MinferError("--save-compressed writes compressed projections; add --sparse macko (and --density D "
                               "to prune first, e.g. --density 0.5)")
         from .compressed import check_save_target
@@ -161,7 +167,7 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
     pruned or stored sparse."""
     from ..formats import convert, format_class
 
-    cls = format_class(args.sparse)
+    cls = format_class(sparse_format(args))
     if args.density is not None:
         method = args.prune or "magnitude"
         calibration = None
@@ -175,7 +181,7 @@ def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path:
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format
     converted = cls.name != "dense" and any(not isinstance(linear.fmt, cls) for _, linear in model.projections())
     if converted:
-        convert(model, args.sparse, progress=True)
+        convert(model, sparse_format(args), progress=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the dense matrices' memory back
     reports = None

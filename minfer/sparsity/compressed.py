@@ -54,11 +54,15 @@ def check_save_target(folder: str | Path) -> Path:
         raise CheckpointError(f"cannot create the folder {folder} ({exc.strerror})") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CheckpointError(f"cannot write into {folder}")
-    foreign = sorted(path.name for path in folder.iterdir() if path.name not in SAVED_FILES)
-    if foreign or ((folder / WEIGHTS_FILE).exists() and not is_compressed(folder)) or (
-            (folder / CONFIG_FILE).exists() and not (folder / WEIGHTS_FILE).exists()):
-        example = foreign[0] if foreign else WEIGHTS_FILE if (folder / WEIGHTS_FILE).exists() else CONFIG_FILE
-        raise CheckpointError(f"{folder} holds files that are not a minfer compressed checkpoint (e.g. {example}); "
+    # Hidden files (.DS_Store, ...) are left alone; config and tokenizer without weights are what an
+    # interrupted save of an earlier version left.
+    foreign = sorted(path.name for path in folder.iterdir()
+                     if path.name not in SAVED_FILES and not path.name.startswith("."))
+    if (folder / WEIGHTS_FILE).exists() and not is_compressed(folder):
+        foreign.insert(0, WEIGHTS_FILE)
+    if foreign:
+        raise CheckpointError(f"{folder} holds files that are not a minfer compressed checkpoint "
+                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
                               "pass a new or empty folder")
     return folder
 
@@ -140,9 +144,10 @@ def holds_random_weights(folder: str | Path) -> bool:
 
 
 def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str], where: str,
-          dtype: torch.dtype, device: torch.device | str, progress: bool = False) -> nn.Module:
+          dtype: torch.dtype, device: torch.device | str, progress: bool = False, checked: bool = False) -> nn.Module:
     """Swap in `formats` (built on meta), allocate the model once, then copy every tensor from
-    `read(name)`; `names` must be exactly the tensors the model holds."""
+    `read(name)`; `names` must be exactly the tensors the model holds. The formats' buffers are
+    then checked (WeightFormat.check), unless the caller has `checked` what it reads."""
     for name, linear in model.projections():
         if name in formats:
             linear.set_format(formats[name])
@@ -159,11 +164,12 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
                 raise CheckpointError(f"tensor {name} in {where} has shape {tuple(source.shape)}, "
                                       f"expected {tuple(target.shape)}")
             target.copy_(source)
-    for name, linear in model.projections():
-        try:
-            linear.fmt.check()
-        except FormatError as exc:
-            raise CheckpointError(f"{name} in {where}: {exc}") from None
+    if not checked:
+        for name, linear in model.projections():
+            try:
+                linear.fmt.check()
+            except FormatError as exc:
+                raise CheckpointError(f"{name} in {where}: {exc}") from None
     return model
 
 
@@ -263,7 +269,7 @@ def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
         fmt_name, buffer = name.rsplit(".", 1)
         return fused[fmt_name][("values", "deltas", "row_ptr").index(buffer)]
 
-    return _fill(model, formats, read, names | set(dense), str(file), dtype, device, progress)
+    return _fill(model, formats, read, names | set(dense), str(file), dtype, device, progress, checked=True)
 
 
 # Bytes per element of safetensors' non-float dtypes (floats are counted at the loading dtype).
