@@ -30,7 +30,7 @@ kernel_tests=(tests/test_gemv.py tests/test_argmax.py tests/test_rms_norm.py tes
 if [ "$what" = tests ] || [ "$what" = all ]; then
     parallel=(-p no:cacheprovider)  # plus pytest-xdist where installed (the device images have it)
     limit=900
-    python3 -c "import xdist" 2>/dev/null && parallel+=(-n 4) && limit=300
+    python3 -c "import xdist" 2>/dev/null && parallel+=(-n 4) && limit=480
     timeout "$limit" python3 -m pytest "${parallel[@]}" tests > "$OUT/pytest.txt" 2>&1
     rc=$?; record "pytest (GPU)" $rc "$(tail -n 1 "$OUT/pytest.txt")"
     timeout 260 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
