@@ -119,9 +119,10 @@ def run(args: argparse.Namespace) -> int:
     params_count = config.param_count()
     size = f"{params_count / 1e9:.2f}B" if params_count >= 1e9 else f"{params_count / 1e6:.1f}M"
     stored = sparsity_cli.compressed_source(args, resolved) is not None
+    sparse = formats.format_class(sparsity_cli.sparse_format(args)).name
     note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {device}, "
          f"{'random' if resolved.is_random else 'checkpoint'} weights, "
-         f"{'projections as stored compressed' if stored else f'sparse={formats.format_class(sparsity_cli.sparse_format(args)).name}'}")
+         f"{'projections as stored compressed' if stored else f'sparse={sparse}'}")
     if resolved.is_random:
         what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
         note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "

@@ -103,15 +103,16 @@ def check(args: argparse.Namespace, resolved) -> None:
         if value and not Path(value).is_file():
             what = "is a folder, not a file" if Path(value).is_dir() else "does not exist"
             raise MinferError(f"{flag} {value} {what}")
-    if args.density is not None and compressed_source(args, resolved) is not None:
+    stored = compressed_source(args, resolved) is not None
+    if args.density is not None and stored:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
                           "weights: start from the dense checkpoint")
-    stored = compressed_source(args, resolved) is not None
     if args.sparse is not None and format_class(args.sparse).name == "dense" and stored:
         raise MinferError(f"this model is stored compressed and loads with its projections as stored; --sparse "
                           f"{args.sparse} would not decompress them: drop --sparse, or start from the dense checkpoint")
-    if args.density is None and resolved.is_random and format_class(sparse_format(args)).name != "dense" and not stored:
-        raise MinferError(f"random weights have no zeros: --sparse {sparse_format(args)} alone would store every weight "
+    sparse = sparse_format(args)
+    if args.density is None and resolved.is_random and format_class(sparse).name != "dense" and not stored:
+        raise MinferError(f"random weights have no zeros: --sparse {sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
     _, seq_len = calibration_shape(args)
     if args.prune == "wanda" and seq_len > resolved.config.max_position_embeddings:
@@ -119,7 +120,7 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"--calib-seq-len {seq_len}{given} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
     if args.save_compressed:
-        if format_class(sparse_format(args)).name == "dense" and not stored:
+        if format_class(sparse).name == "dense" and not stored:
             raise MinferError("--save-compressed writes compressed projections; add --sparse macko (and --density D "
                               "to prune first, e.g. --density 0.5)")
         from .compressed import check_save_target
