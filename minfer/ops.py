@@ -385,17 +385,23 @@ def _check_macko_extent(values: torch.Tensor, deltas: torch.Tensor, row_ptr: tor
     return stored
 
 
+def _row_blocks(starts: torch.Tensor, cols: int):
+    """(first row, its block's bounds = starts[first:last + 1], first entry, end entry) for blocks of rows
+    that together hold at most _MACKO_BLOCK_ENTRIES entries when valid (a row stores at most
+    cols + cols // 15: its columns plus a pad per 16-column gap)."""
+    block_rows = max(1, _MACKO_BLOCK_ENTRIES // (cols + cols // 15 + 1))
+    for first in range(0, starts.numel() - 1, block_rows):
+        bounds = starts[first:first + block_rows + 1]
+        yield first, bounds, int(bounds[0]), int(bounds[-1])
+
+
 def check_macko_arrays(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, cols: int) -> None:
     """Raise FormatError unless the arrays encode a matrix of `cols` columns: row_ptr from 0, never
     decreasing, within values and deltas, and every row's entries inside the columns. Loaders run it
     on every file's arrays, since the kernels trust them. In blocks of rows (bounded temporaries)."""
     stored = _check_macko_extent(values, deltas, row_ptr)
     nibbles = unpack_nibbles(deltas, stored)
-    starts = row_ptr.long()
-    block_rows = max(1, _MACKO_BLOCK_ENTRIES // (cols + cols // 15 + 1))  # a valid row stores at most that many
-    for first in range(0, row_ptr.numel() - 1, block_rows):
-        bounds = starts[first:first + block_rows + 1]
-        begin, end = int(bounds[0]), int(bounds[-1])
+    for _, bounds, begin, end in _row_blocks(row_ptr.long(), cols):
         used = torch.cat((bounds.new_zeros(1), (nibbles[begin:end].long() + 1).cumsum(0)))
         spans = used[bounds[1:] - begin] - used[bounds[:-1] - begin]  # columns each row's entries reach
         if spans.numel() and int(spans.max()) > cols:
@@ -445,10 +451,7 @@ def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torc
     starts = row_ptr.long()
     nibbles = unpack_nibbles(deltas, stored)
     window_starts = torch.arange(1, windows, device=row_ptr.device) * MACKO_WINDOW_COLS
-    block_rows = max(1, _MACKO_BLOCK_ENTRIES // (cols + cols // 15 + 1))  # a row stores at most that many
-    for first in range(0, rows, block_rows):
-        bounds = starts[first:first + block_rows + 1]
-        begin, end = int(bounds[0]), int(bounds[-1])
+    for first, bounds, begin, end in _row_blocks(starts, cols):
         if begin == end:
             continue
         row_starts, row_ends = bounds[:-1, None], bounds[1:, None]
@@ -463,7 +466,7 @@ def macko_window_table(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torc
         run_start = torch.minimum((inside + 7) & ~7, row_ends)  # absolute: chunks are 8-entry aligned
         at = (run_start - begin).clamp(max=end - begin - 1)
         origin = torch.where(run_start < row_ends, col_of[at] - block_nibbles[at] - window_starts, 0)
-        table[first:first + block_rows] = (((run_start - row_starts) << 7) | (origin + _ORIGIN_BIAS)).to(torch.int32)
+        table[first:first + bounds.numel() - 1] = (((run_start - row_starts) << 7) | (origin + _ORIGIN_BIAS)).to(torch.int32)
     return table
 
 
