@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"kernels, macko: timed graph replays per case (median; default {DEFAULTS['reps']}); "
                              f"the e2e suites take the median of {e2e_suite.TIMED_RUNS} generations")
     parser.add_argument("--model", default=None,
-                        help=f"e2e suites: known model alias, random weights (default {DEFAULTS['model']})")
+                        help=f"e2e suites: the architecture run with random weights: an alias, a local checkpoint "
+                             f"folder or a Hugging Face id (default {DEFAULTS['model']})")
     parser.add_argument("--prompt-tokens", type=positive_int, default=None,
                         help=f"e2e suites: prompt length (default {DEFAULTS['prompt_tokens']})")
     parser.add_argument("--new-tokens", type=positive_int, default=None,

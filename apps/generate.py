@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolved.config
     tokenizer = Tokenizer(resolved.tokenizer_path)
     prompt_ids = tokenizer.chat_prompt(args.prompt) if args.chat else tokenizer.encode(args.prompt)
+    calibration_ids = sparsity_cli.calibration(args, tokenizer, config)
 
     max_seq_len = context_length(config, args.max_seq_len, len(prompt_ids))
     check_memory(config, dtype, device, max_seq_len, sparsity_cli.stored_weight_bytes(args, resolved, dtype))
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
     model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
-    sparsity = sparsity_cli.apply(model, args, tokenizer, resolved.tokenizer_path, note, resolved.is_random)
+    sparsity = sparsity_cli.apply(model, args, calibration_ids, resolved.tokenizer_path, note, resolved.is_random)
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
         note("NOTE: the embedding is tied to lm_head, which reads it every step: it stays on the GPU.")

@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=None,
                         help="profiled runs of each case (default 3; one decode step: 1; not with --timeline)")
     parser.add_argument("--baseline", action="store_true", help="kernels: also run the vendor baseline of each case")
-    parser.add_argument("--model", default="llama2-7b", help="decode: known model alias, random weights")
+    parser.add_argument("--model", default="llama2-7b",
+                        help="decode: the architecture profiled, with random weights: an alias (e.g. llama2-7b), "
+                             "a local checkpoint folder or a Hugging Face id")
     parser.add_argument("--context", type=int, default=512, help="decode: cache positions filled before the step")
     parser.add_argument("--layers", type=int, default=None, metavar="N",
                         help="decode: profile the embedding and the first N layers of the step, which repeat the "
@@ -102,6 +104,20 @@ def profile_kernels(args: argparse.Namespace) -> None:
                     with torch.cuda.nvtx.range(f"baseline: {case.baseline} {case.shape} #{it}"):
                         baseline(0)
     print(f"profiled {len(prepared)} case(s) of {args.op}, {args.iters} run(s) each")
+
+
+def check_decode_context(args: argparse.Namespace) -> None:
+    """--context (plus the traced steps) within --model's positions, checked before the model is built."""
+    from minfer.checkpoint import resolve
+
+    try:
+        config = resolve(args.model, "random").config
+    except MinferError as exc:
+        raise MinferError(f"--model: {exc}") from None
+    positions = args.context + (args.steps + 2 if args.timeline else 1)
+    if positions > config.max_position_embeddings:
+        raise MinferError(f"--context {args.context} needs {positions} cache positions, more than the "
+                          f"{config.max_position_embeddings} {args.model} supports; pass a smaller --context")
 
 
 def decode_model(args: argparse.Namespace):
@@ -191,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0.0 < args.density <= 1.0:
             parser.error(f"--density must lie in (0, 1], got {args.density}")
     try:
+        if args.op == DECODE:
+            check_decode_context(args)
         if not torch.cuda.is_available():
             raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")
         if args.op == DECODE:

@@ -399,6 +399,13 @@ def check_macko_arrays(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torc
     """Raise FormatError unless the arrays encode a matrix of `cols` columns: row_ptr from 0, never
     decreasing, within values and deltas, and every row's entries inside the columns. Loaders run it
     on every file's arrays, since the kernels trust them. In blocks of rows (bounded temporaries)."""
+    kinds = (("values", values, "a float", values.is_floating_point()),
+             ("deltas", deltas, "a uint8", deltas.dtype == torch.uint8),
+             ("row_ptr", row_ptr, "an int32 or int64", row_ptr.dtype in (torch.int32, torch.int64)))
+    for name, array, wanted, kind_ok in kinds:
+        if array.dim() != 1 or not kind_ok:
+            raise FormatError(f"MACKO {name} must be {wanted} 1-D tensor, got {array.dtype} of shape "
+                              f"{tuple(array.shape)}")
     stored = _check_macko_extent(values, deltas, row_ptr)
     nibbles = unpack_nibbles(deltas, stored)
     for _, bounds, begin, end in _row_blocks(row_ptr.long(), cols):

@@ -352,12 +352,22 @@ def test_save_compressed_refuses_a_folder_holding_another_checkpoint(local_check
         assert_input_error(cli("--device", "cpu", *flags, "--sparse", "macko", "--density", "0.5",
                                "--save-compressed", str(victim)), "--save-compressed", message)
     assert {path: path.stat().st_mtime_ns for path in victim.iterdir()} == before
-    leftover = tmp_path / "leftover"  # an earlier version's interrupted save, and a hidden file
+    config_only = tmp_path / "config-only"  # e.g. another model's folder for --macko-reference
+    config_only.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (config_only / name).write_text('{"mine": true}')
+    assert_input_error(cli("--device", "cpu", "--model", str(local_checkpoint), "--sparse", "macko", "--density",
+                           "0.5", "--save-compressed", str(config_only)), "config.json, tokenizer.json")
+    assert sorted(p.name for p in config_only.iterdir()) == ["config.json", "tokenizer.json"]
+    assert (config_only / "config.json").read_text() == '{"mine": true}'
+    leftover = tmp_path / "leftover"  # an interrupted save's temporary files, and a hidden file
     leftover.mkdir()
-    for name in ("config.json", "tokenizer.model", ".DS_Store"):
+    for name in ("model.safetensors.partial", "config.json", ".DS_Store"):
         shutil.copyfile(local_checkpoint / "config.json", leftover / name)
     sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.5", "--save-compressed",
                 str(leftover))
+    assert not (leftover / "model.safetensors.partial").exists()  # overwritten by the save, then renamed
+    assert sparse_json("--model", str(leftover))["sparsity"]["density"] == 0.5
     folder = tmp_path / "macko"
     for density in ("0.5", "0.25"):  # the second save replaces the first
         sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", density,
@@ -373,7 +383,35 @@ def test_compressed_random_weights_reload_as_random(tmp_path):
     assert saved["random_weights"] is again["random_weights"] is True and "RANDOM" in again["stderr"]
 
 
-def test_corrupt_macko_arrays_are_refused_when_loaded(local_checkpoint, tmp_path):
+def test_calibration_and_density_are_checked_before_loading(tmp_path, capsys):
+    """Text too short for wanda, or a density that keeps no weight of a row: refused before the weights
+    load (one line, no progress bars), and the --save-compressed folder is not made."""
+    app = load_app(APP)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    target = tmp_path / "never-made"
+    for flags, message in ((["--density", "0.5", "--prune", "wanda", "--calib-text", str(empty), "--calib-seq-len",
+                             "8"], "the calibration text has 0 tokens"),
+                           (["--density", "0.001"], "keeps round(0.001 * ")):
+        code = app.main(["--device", "cpu", "--sparse", "macko", *flags, "--save-compressed", str(target)])
+        captured = capsys.readouterr()
+        assert_input_error(subprocess.CompletedProcess(flags, code, captured.out, captured.err), message)
+        assert not target.exists()
+
+
+def test_saved_weights_are_readable_as_the_umask_allows(local_checkpoint, tmp_path):
+    import stat
+
+    folder = tmp_path / "macko"
+    sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.5", "--save-compressed",
+                str(folder))
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in folder.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, modes
+
+
+def test_corrupt_macko_arrays_are_refused_when_loaded(local_checkpoint, tmp_path, capsys):
     """row_ptr out of order or past the values, and entries past the last column: one error line
     naming the projection, not a crash in the kernels or the reference path."""
     from safetensors import safe_open
@@ -398,6 +436,26 @@ def test_corrupt_macko_arrays_are_refused_when_loaded(local_checkpoint, tmp_path
         last = result.stderr.splitlines()[-1]
         assert result.returncode == 2 and last.startswith("error: ") and "qkv_proj" in last and "MACKO" in last, \
             result.stderr
+    # stored as the wrong kind (no silent cast), values and nibbles of different lengths, damaged metadata
+    values_key = key.replace("row_ptr", "values")
+    layout = json.loads(metadata["minfer_formats"])
+    no_shape = {**layout, next(iter(layout)): {"format": "macko"}}
+    app = load_app(APP)
+    for tensors, meta, message in (
+            ({values_key: original[values_key].to(torch.int32)}, {}, "is torch.int32, expected a float tensor"),
+            ({key: original[key].float()}, {}, "is torch.float32, expected torch.int32"),
+            ({deltas_key: original[deltas_key].view(torch.int8)}, {}, "is torch.int8, expected torch.uint8"),
+            ({values_key: original[values_key][:-8].contiguous()}, {}, "disagree: MACKO stores one nibble per value"),
+            ({}, {"minfer_formats": "{not json"}, "unreadable minfer_formats metadata"),
+            ({}, {"minfer_formats": "[1, 2]"}, "malformed minfer_formats metadata"),
+            ({}, {"minfer_formats": json.dumps(no_shape)}, "malformed minfer_formats metadata"),
+            ({}, {"minfer_random_weights": "yes"}, "unreadable minfer_random_weights metadata")):
+        save_file({**original, **tensors}, str(file), metadata={**metadata, **meta})
+        code = app.main(["--device", "cpu", "--max-new-tokens", "2", "--model", str(folder)])
+        captured = capsys.readouterr()
+        last = captured.err.splitlines()[-1]
+        assert code == 2 and last.startswith("error: ") and message in last, captured.err
+        assert "Traceback" not in captured.err
 
 
 def test_density_without_a_sparse_format_says_the_weights_stay_dense(local_checkpoint):
@@ -417,8 +475,9 @@ def test_wanda_from_the_command_line(local_checkpoint):
     assert out["sparsity"]["density"] == 0.25 and "wanda pruning" in out["stderr"]
 
 
-def test_macko_reference_takes_only_config_and_tokenizer_from_the_model(local_checkpoint, tmp_path):
-    """A folder with config.json and the tokenizer, no weights: --macko-reference brings them."""
+def reference_checkpoint(local_checkpoint, folder: Path) -> tuple[dict, Path]:
+    """The tiny model pruned to d = 0.5 as the reference tool's compression script stores it (HF names,
+    `.c_0` ... `.c_4` for the projections), and a folder with only its config and tokenizer."""
     from minfer.checkpoint import hf_state_dict
     from minfer.formats.macko import compress
     from minfer.sparsity import prune_model_
@@ -431,12 +490,49 @@ def test_macko_reference_takes_only_config_and_tokenizer_from_the_model(local_ch
                 state[name.replace("weight", f"c_{i}")] = part
         else:
             state[name] = tensor.clone()
-    torch.save(state, tmp_path / "reference_compressed.pt")
-    config_only = tmp_path / "config-only"
+    config_only = folder / "config-only"
     config_only.mkdir()
     for name in ("config.json", "tokenizer.model"):
         shutil.copyfile(local_checkpoint / name, config_only / name)
+    return state, config_only
+
+
+def test_macko_reference_takes_only_config_and_tokenizer_from_the_model(local_checkpoint, tmp_path):
+    """A folder with config.json and the tokenizer, no weights: --macko-reference brings them."""
+    state, config_only = reference_checkpoint(local_checkpoint, tmp_path)
+    torch.save(state, tmp_path / "reference_compressed.pt")
     out = sparse_json("--model", str(config_only), "--macko-reference", str(tmp_path / "reference_compressed.pt"),
                       "--dtype", "float16")
     assert out["random_weights"] is False and out["sparsity"]["density"] == 0.5
     assert "RANDOM" not in out["stderr"]
+
+
+def test_malformed_reference_checkpoints_are_refused(local_checkpoint, tmp_path, capsys):
+    """Arrays of the wrong kind or rank, sizes that are not integers, a missing dense tensor: one line
+    naming the key, before the kernels see anything (int8 nibbles would unpack negative and pass the
+    column check)."""
+    state, config_only = reference_checkpoint(local_checkpoint, tmp_path)
+    q = "model.layers.0.self_attn.q_proj."
+    app = load_app(APP)
+    for change, message in (({q + "c_1": state[q + "c_1"].view(torch.int8)}, "deltas must be a uint8 1-D"),
+                            ({q + "c_0": state[q + "c_0"].view(torch.int16)}, "values must be a float 1-D"),
+                            ({q + "c_0": state[q + "c_0"].view(-1, 8)}, "values must be a float 1-D"),
+                            ({q + "c_2": state[q + "c_2"].float()}, "row_ptr must be an int32 or int64"),
+                            ({q + "c_3": torch.tensor([64, 64])}, q + "c_3 in"),
+                            ({q + "c_3": "abc"}, q + "c_3 in"),
+                            ({"model.norm.weight": None}, "lacks model.norm.weight")):
+        file = tmp_path / "reference.pt"
+        torch.save({k: v for k, v in {**state, **change}.items() if v is not None}, file)
+        code = app.main(["--device", "cpu", "--max-new-tokens", "2", "--model", str(config_only), "--dtype",
+                         "float16", "--macko-reference", str(file)])
+        captured = capsys.readouterr()
+        last = captured.err.splitlines()[-1]
+        assert code == 2 and last.startswith("error: ") and message in last, captured.err
+        assert "Traceback" not in captured.err
+
+
+def test_profile_app_checks_the_context_against_the_model():
+    result = subprocess.run([sys.executable, str(PROFILE_APP), "--op", "decode", "--context", "5000"],
+                            capture_output=True, text=True, env=os.environ | NO_GPU, timeout=120)
+    assert result.returncode == 2 and "--context 5000 needs 5001 cache positions" in result.stderr
+    assert "4096 llama2-7b supports" in result.stderr

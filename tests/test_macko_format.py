@@ -218,6 +218,28 @@ def test_bad_inputs_raise_format_errors():
         ops.macko_decompress_reference(values, deltas, row_ptr, 4)
 
 
+def test_array_checks_refuse_wrong_dtypes_and_dimensions():
+    """A file's arrays reach the kernels only through check_macko_arrays: int8 nibbles (which unpack
+    negative and understate each row's columns), integer values, float or 2-D row_ptr are refused."""
+    values, deltas, row_ptr = compress(torch.eye(8, dtype=torch.float16))
+    ops.check_macko_arrays(values, deltas, row_ptr.long(), 8)  # an int64 row_ptr is fine
+    for bad, message in (((values, deltas.view(torch.int8), row_ptr), "deltas must be a uint8 1-D"),
+                         ((values.view(torch.int16), deltas, row_ptr), "values must be a float 1-D"),
+                         ((values.view(-1, 8), deltas, row_ptr), "values must be a float 1-D"),
+                         ((values, deltas, row_ptr.float()), "row_ptr must be an int32 or int64 1-D"),
+                         ((values, deltas, row_ptr[None]), "row_ptr must be an int32 or int64 1-D")):
+        with pytest.raises(FormatError, match=message):
+            ops.check_macko_arrays(*bad, 8)
+
+
+def test_from_dense_takes_a_non_contiguous_matrix():
+    matrix = torch.randn(6, 9).half()
+    matrix[matrix.abs() < 0.6] = 0
+    assert not matrix.T.is_contiguous()
+    assert torch.equal(MackoWeight.from_dense(matrix.T).to_dense(), matrix.T)
+    assert_same_arrays(compress(matrix.T), compress(matrix.T.contiguous()))
+
+
 # --- compressed checkpoints -----------------------------------------------------------------------
 
 def tiny_pruned_model(dtype):

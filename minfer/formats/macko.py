@@ -48,6 +48,7 @@ def compress(weight: torch.Tensor) -> MackoArrays:
         raise FormatError(f"MACKO compresses 2-D [out, in] matrices, got shape {tuple(weight.shape)}")
     if weight.dtype not in DTYPES:
         raise FormatError(f"MACKO stores float16, bfloat16 or float32 values, got {weight.dtype}")
+    weight = weight.contiguous()  # the flat indices below are row-major
     rows, cols = weight.shape
     column = torch.arange(cols, device=weight.device, dtype=torch.int32)
     values, nibbles, counts = [], [], []

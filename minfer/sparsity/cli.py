@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import MinferError
-from .prune import METHODS, calibration_tokens, check_density, prune_model_
+from .prune import METHODS, calibration_tokens, check_density, keep_per_row, prune_model_
 from .report import BlockReport, block_reports, format_report, report_summary
 
 CALIB_SAMPLES = 16
@@ -139,6 +139,17 @@ def check(args: argparse.Namespace, resolved) -> None:
             raise MinferError(f"--save-compressed: {exc}") from None
 
 
+def calibration(args: argparse.Namespace, tokenizer, config) -> torch.Tensor | None:
+    """What --density needs, checked before the weights load: every projection row keeps a weight, and
+    wanda's calibration text is long enough. Returns wanda's calibration tokens (None without wanda)."""
+    if args.density is None:
+        return None
+    keep_per_row(min(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size), args.density)
+    if args.prune != "wanda":
+        return None
+    return calibration_tokens(tokenizer, *calibration_shape(args), args.calib_text)
+
+
 def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) -> int | None:
     """The loaded weights' bytes when they are compressed (for the memory check), else None: dense."""
     from .compressed import stored_weight_bytes as file_weight_bytes
@@ -161,21 +172,19 @@ def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argpars
     return load_checkpoint(resolved, dtype, device, seed=seed, progress=True)
 
 
-def apply(model: nn.Module, args: argparse.Namespace, tokenizer, tokenizer_path: Path | None,
-          note: Callable[[str], None], random_weights: bool = False) -> list[BlockReport] | None:
-    """Prune (--density, --prune), convert to --sparse, report, and save (--save-compressed; a save
-    of `random_weights` says so in its file). Returns the per-block report when the projections are
-    pruned or stored sparse."""
+def apply(model: nn.Module, args: argparse.Namespace, calibration_ids: torch.Tensor | None,
+          tokenizer_path: Path | None, note: Callable[[str], None],
+          random_weights: bool = False) -> list[BlockReport] | None:
+    """Prune (--density, --prune; wanda over `calibration_ids`, from calibration()), convert to
+    --sparse, report, and save (--save-compressed; a save of `random_weights` says so in its file).
+    Returns the per-block report when the projections are pruned or stored sparse."""
     from ..formats import convert, format_class
 
     cls = format_class(sparse_format(args))
     if args.density is not None:
         method = args.prune or "magnitude"
-        calibration = None
-        if method == "wanda":
-            calibration = calibration_tokens(tokenizer, *calibration_shape(args), args.calib_text)
         note(f"pruning the projections to density {args.density} ({method})")
-        prune_model_(model, args.density, method, calibration)
+        prune_model_(model, args.density, method, calibration_ids)
         if cls.name == "dense":
             note("NOTE: without --sparse macko the pruned projections stay dense: the same memory and speed as "
                  "before; add --sparse macko to store them compressed")

@@ -41,30 +41,49 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 SAVED_FILES = {WEIGHTS_FILE, CONFIG_FILE, *TOKENIZER_FILES, WEIGHTS_FILE + ".partial", CONFIG_FILE + ".partial"}
 
 
-def check_save_target(folder: str | Path) -> Path:
-    """Make `folder` if it is missing; refuse a path that is not a folder, one that cannot be
-    written, and a non-empty folder other than an earlier compressed save (another model's files
-    would be overwritten or left beside these)."""
+def check_save_target(folder: str | Path, create: bool = False) -> Path:
+    """Refuse a path that is not a folder, one that cannot be written or created, and a non-empty
+    folder other than an earlier compressed save (another model's files would be overwritten or
+    left beside these); `create` makes a missing folder (a check alone makes nothing, so a run that
+    fails later leaves no empty folder behind)."""
     folder = Path(folder).expanduser()
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a folder to write the model into")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CheckpointError(f"cannot create the folder {folder} ({exc.strerror})") from None
+    if not folder.exists():
+        parent = next(p for p in folder.absolute().parents if p.exists())
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise CheckpointError(f"cannot create the folder {folder} ({parent} is not a writable folder)")
+        if create:
+            try:
+                folder.mkdir(parents=True)
+            except OSError as exc:
+                raise CheckpointError(f"cannot create the folder {folder} ({exc.strerror})") from None
+        return folder
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CheckpointError(f"cannot write into {folder}")
-    # Hidden files (.DS_Store, ...) are left alone; config and tokenizer without weights are what an
-    # interrupted save of an earlier version left.
-    foreign = sorted(path.name for path in folder.iterdir()
-                     if path.name not in SAVED_FILES and not path.name.startswith("."))
-    if (folder / WEIGHTS_FILE).exists() and not is_compressed(folder):
+    # Hidden files (.DS_Store, ...) are left alone. Config and tokenizer files count as an earlier
+    # save's only beside its weights (or an interrupted save's temporary files): alone, they are
+    # somebody else's (e.g. the config-only folder of --macko-reference).
+    names = sorted(path.name for path in folder.iterdir() if not path.name.startswith("."))
+    try:
+        compressed = is_compressed(folder)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}; delete it or pass a new folder") from None
+    ours = compressed or any(name.endswith(".partial") for name in names)
+    foreign = [name for name in names if not ours or name not in SAVED_FILES]
+    if (folder / WEIGHTS_FILE).exists() and not compressed and WEIGHTS_FILE not in foreign:
         foreign.insert(0, WEIGHTS_FILE)
     if foreign:
         raise CheckpointError(f"{folder} holds files that are not a minfer compressed checkpoint "
                               f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
                               "pass a new or empty folder")
     return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None,
@@ -76,7 +95,7 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
     is still reported as random."""
     from safetensors.torch import save_file
 
-    folder = check_save_target(folder)
+    folder = check_save_target(folder, create=True)
     layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)}
               for name, linear in model.projections()}
     source = model.checkpoint_tensors()
@@ -89,6 +108,7 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
     metadata = {"format": "pt", METADATA_KEY: json.dumps(layout), RANDOM_KEY: json.dumps(random_weights)}
     try:
         save_file(tensors, partial, metadata=metadata)
+        os.chmod(partial, 0o666 & ~_umask())  # safetensors creates it private; the config beside it is not
         partial_config.write_text(json.dumps(model.config.to_hf(), indent=2))
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -128,9 +148,28 @@ def _metadata(folder: Path) -> dict:
         return f.metadata() or {}
 
 
+def _metadata_json(folder: Path, key: str, default: str | None = None):
+    text = _metadata(folder).get(key, default)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{folder / WEIGHTS_FILE} has unreadable {key} metadata ({text[:40]!r}): "
+                              "the compressed checkpoint is damaged") from None
+
+
 def _layout(folder: Path) -> dict | None:
-    metadata = _metadata(folder)
-    return json.loads(metadata[METADATA_KEY]) if METADATA_KEY in metadata else None
+    """The saved projections' formats and shapes, None when `folder` is no compressed save."""
+    layout = _metadata_json(folder, METADATA_KEY)
+    well_formed = isinstance(layout, dict) and all(
+        isinstance(entry, dict) and isinstance(entry.get("format"), str) and isinstance(entry.get("shape"), list)
+        and len(entry["shape"]) == 2 and all(isinstance(n, int) for n in entry["shape"]) for entry in layout.values())
+    if layout is not None and not well_formed:
+        raise CheckpointError(f"{folder / WEIGHTS_FILE} has malformed {METADATA_KEY} metadata (expected "
+                              '{"<projection>": {"format": ..., "shape": [rows, cols]}, ...}): the compressed '
+                              "checkpoint is damaged")
+    return layout
 
 
 def is_compressed(folder: str | Path) -> bool:
@@ -140,7 +179,11 @@ def is_compressed(folder: str | Path) -> bool:
 
 def holds_random_weights(folder: str | Path) -> bool:
     """True when `folder` is a compressed checkpoint saved from random weights."""
-    return json.loads(_metadata(Path(folder)).get(RANDOM_KEY, "false")) is True
+    flag = _metadata_json(Path(folder), RANDOM_KEY, "false")
+    if not isinstance(flag, bool):
+        raise CheckpointError(f"{Path(folder) / WEIGHTS_FILE} has malformed {RANDOM_KEY} metadata ({flag!r}, "
+                              "expected true or false)")
+    return flag
 
 
 def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str], where: str,
@@ -163,6 +206,11 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
             if tuple(source.shape) != tuple(target.shape):
                 raise CheckpointError(f"tensor {name} in {where} has shape {tuple(source.shape)}, "
                                       f"expected {tuple(target.shape)}")
+            # floats load at any float dtype; indices and nibbles must be stored as what they are
+            if source.is_floating_point() != target.is_floating_point() or (
+                    not target.is_floating_point() and source.dtype != target.dtype):
+                wanted = "a float tensor" if target.is_floating_point() else str(target.dtype)
+                raise CheckpointError(f"tensor {name} in {where} is {source.dtype}, expected {wanted}")
             target.copy_(source)
     if not checked:
         for name, linear in model.projections():
@@ -197,8 +245,16 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
                 values_key = f"{name}.fmt.values"
                 if values_key not in f.keys():
                     raise CheckpointError(f"{file} has no tensor {values_key}; the compressed folder is incomplete")
-                padded = f.get_slice(values_key).get_shape()[0]
-                formats[name] = MackoWeight.empty(linear.fmt.shape, padded, dtype, "meta")
+                values_shape = f.get_slice(values_key).get_shape()
+                if len(values_shape) != 1 or values_shape[0] % 8:
+                    raise CheckpointError(f"tensor {values_key} in {file} has shape {tuple(values_shape)}; MACKO "
+                                          "values are 1-D with a multiple of 8 entries: the file is damaged")
+                deltas_key = f"{name}.fmt.deltas"
+                if deltas_key in f.keys() and f.get_slice(deltas_key).get_shape() != [values_shape[0] // 2]:
+                    raise CheckpointError(f"{values_key} ({values_shape[0]} entries) and {deltas_key} (shape "
+                                          f"{tuple(f.get_slice(deltas_key).get_shape())}) in {file} disagree: MACKO "
+                                          "stores one nibble per value; the file is damaged")
+                formats[name] = MackoWeight.empty(linear.fmt.shape, values_shape[0], dtype, "meta")
             elif entry["format"] != DenseWeight.name:
                 known = ", ".join(sorted(FORMATS))
                 raise CheckpointError(f"{name} in {file} uses format {entry['format']!r}; loadable: {known}")
@@ -223,6 +279,16 @@ def _reference_tensors(file: Path) -> dict[str, torch.Tensor | int]:
     return state
 
 
+def _reference_size(value, key: str, file: Path) -> int:
+    """A matrix size stored by the reference compressor: an int, or a one-element integer tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise CheckpointError(f"{key} in {file} must be an integer (the matrix's rows or columns), got {str(value)[:40]!r}")
+
+
 def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
                          device: torch.device | str, progress: bool = False) -> nn.Module:
     """Fill a meta-built Transformer from the reference tool's compressed checkpoint: its q/k/v and
@@ -241,10 +307,12 @@ def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
         if any(k not in state for k in keys):
             raise CheckpointError(f"{file} lacks {next(k for k in keys if k not in state)}; the reference "
                                   "compressor stores <name>.c_0 ... .c_4 for every attention and MLP weight")
-        rows, cols = (int(state[k]) for k in keys[3:])
+        rows, cols = (_reference_size(state[k], k, file) for k in keys[3:])
         if (rows, cols) != shape:
             raise CheckpointError(f"{keys[0]} in {file} is {rows}x{cols}, expected {shape[0]}x{shape[1]}")
         arrays = [state[k] for k in keys[:3]]
+        if not all(isinstance(a, torch.Tensor) for a in arrays):
+            raise CheckpointError(f"{keys[0]} .. {keys[2]} in {file} must be tensors (values, deltas, row_ptr)")
         try:
             check_macko_arrays(*arrays, cols)
         except FormatError as exc:
@@ -262,6 +330,11 @@ def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
     names = {f"{n}.{b}" for n in fused for b in ("values", "deltas", "row_ptr")}
     dense = {target: hf_name for hf_name, (target, _, _) in layout.items() if not target.endswith(".fmt.weight")
              or target.startswith("lm_head")}
+    for hf_name in sorted(dense.values()):
+        if not isinstance(state.get(hf_name), torch.Tensor):
+            what = "lacks" if hf_name not in state else "holds no tensor under"
+            raise CheckpointError(f"{file} {what} {hf_name}; the reference compressor keeps every tensor it does "
+                                  "not compress (embeddings, norms, lm_head) under its HF name")
 
     def read(name: str) -> torch.Tensor:
         if name in dense:
