@@ -70,9 +70,8 @@ def check_save_target(folder: str | Path, create: bool = False) -> Path:
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}; delete it or pass a new folder") from None
     ours = compressed or any(name.endswith(".partial") for name in names)
-    foreign = [name for name in names if not ours or name not in SAVED_FILES]
-    if (folder / WEIGHTS_FILE).exists() and not compressed and WEIGHTS_FILE not in foreign:
-        foreign.insert(0, WEIGHTS_FILE)
+    foreign = [name for name in names
+               if not ours or name not in SAVED_FILES or (name == WEIGHTS_FILE and not compressed)]
     if foreign:
         raise CheckpointError(f"{folder} holds files that are not a minfer compressed checkpoint "
                               f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
@@ -250,10 +249,11 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
                     raise CheckpointError(f"tensor {values_key} in {file} has shape {tuple(values_shape)}; MACKO "
                                           "values are 1-D with a multiple of 8 entries: the file is damaged")
                 deltas_key = f"{name}.fmt.deltas"
-                if deltas_key in f.keys() and f.get_slice(deltas_key).get_shape() != [values_shape[0] // 2]:
+                deltas_shape = f.get_slice(deltas_key).get_shape() if deltas_key in f.keys() else None
+                if deltas_shape is not None and deltas_shape != [values_shape[0] // 2]:
                     raise CheckpointError(f"{values_key} ({values_shape[0]} entries) and {deltas_key} (shape "
-                                          f"{tuple(f.get_slice(deltas_key).get_shape())}) in {file} disagree: MACKO "
-                                          "stores one nibble per value; the file is damaged")
+                                          f"{tuple(deltas_shape)}) in {file} disagree: MACKO stores one nibble "
+                                          "per value; the file is damaged")
                 formats[name] = MackoWeight.empty(linear.fmt.shape, values_shape[0], dtype, "meta")
             elif entry["format"] != DenseWeight.name:
                 known = ", ".join(sorted(FORMATS))
