@@ -65,7 +65,7 @@ def build_parser() -> Parser:
     model.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                        help="weight and activation dtype (default: float16 on GPU, float32 on CPU)")
     model.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    model.add_argument("--sparse", choices=sorted({*formats.FORMATS, *formats.ALIASES}), default=None,
+    model.add_argument("--sparse", choices=formats.format_choices(), default=None,
                        help="weight format of the attention and MLP projections (default: none = dense; a "
                             "compressed model loads as stored)")
     model.add_argument("--backend", choices=ops.BACKENDS, default=ops.backend(),

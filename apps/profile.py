@@ -29,10 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
+from minfer.bench import decode_timeline as timeline  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402
-from minfer.bench.cases_macko import DENSITIES as MACKO_CASE_DENSITIES  # noqa: E402
+from minfer.bench.e2e_suite import build_model  # noqa: E402
+from minfer.bench.report import print_table  # noqa: E402
+from minfer.checkpoint import resolve  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
+from minfer.formats import DenseWeight, convert, format_choices, format_class  # noqa: E402
+from minfer.generate import Generator  # noqa: E402
+from minfer.sparsity import prune_model_  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DECODE = "decode"
@@ -63,12 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode: trace graph-replayed steps and print each kernel's share of a step")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"decode --timeline: traced steps (default {TIMELINE_STEPS})")
-    parser.add_argument("--sparse", choices=("none", "macko"), default="none",
+    parser.add_argument("--sparse", choices=format_choices(), default="none",
                         help="decode: weight format of the projections (default none)")
+    swept = ", ".join(f"{op} ({', '.join(map(str, kernel_suite.op_densities(op)))})"
+                      for op in kernel_suite.registered_ops() if kernel_suite.op_densities(op))
     parser.add_argument("--density", type=float, default=None,
-                        help="decode --sparse macko: density after magnitude pruning (default 0.5); --op macko: "
-                             "only the cases of this density (one of "
-                             f"{', '.join(str(d) for d in MACKO_CASE_DENSITIES)})")
+                        help=f"decode with a sparse --sparse: density after magnitude pruning (default "
+                             f"{DECODE_DENSITY}); a kernel op swept over densities: only the cases of this one "
+                             f"(ops: {swept})")
     return parser
 
 
@@ -86,7 +94,7 @@ class ProfiledRegion:
 
 def profile_kernels(args: argparse.Namespace) -> None:
     cases = kernel_suite.select([args.op], args.shapes, DTYPES[args.dtype])
-    if args.density is not None:  # --op macko (main checks)
+    if args.density is not None:  # a kernel op swept over densities (main checks)
         cases = [case for case in cases if f" d{args.density} " in case.shape]
     prepared = []
     for case in cases:
@@ -108,8 +116,6 @@ def profile_kernels(args: argparse.Namespace) -> None:
 
 def check_decode_context(args: argparse.Namespace) -> None:
     """--context (plus the traced steps) within --model's positions, checked before the model is built."""
-    from minfer.checkpoint import resolve
-
     try:
         config = resolve(args.model, "random").config
     except MinferError as exc:
@@ -121,19 +127,16 @@ def check_decode_context(args: argparse.Namespace) -> None:
 
 
 def decode_model(args: argparse.Namespace):
-    """--model with random weights, its projections pruned by magnitude and stored as MACKO with
-    `--sparse macko`; returns the model and a label for the output."""
-    from minfer.bench.e2e_suite import build_model
-    from minfer.formats import convert
-    from minfer.sparsity import prune_model_
-
+    """--model with random weights, its projections pruned by magnitude and stored in a sparse --sparse
+    format; returns the model and a label for the output."""
     model = build_model(args.model, DTYPES[args.dtype])
-    if args.sparse != "macko":
+    fmt = format_class(args.sparse)
+    if fmt is DenseWeight:
         return model, "dense"
     density = DECODE_DENSITY if args.density is None else args.density
     prune_model_(model, density, "magnitude")
-    convert(model, "macko", progress=True)
-    return model, f"macko d={density}"
+    convert(model, fmt.name, progress=True)
+    return model, f"{fmt.name} d={density}"
 
 
 @torch.inference_mode()
@@ -165,10 +168,6 @@ def profile_decode(args: argparse.Namespace) -> None:
 
 @torch.inference_mode()
 def decode_timeline(args: argparse.Namespace) -> None:
-    from minfer.bench import decode_timeline as timeline
-    from minfer.bench.report import print_table
-    from minfer.generate import Generator
-
     model, label = decode_model(args)
     generator = Generator(model, None, args.context + args.steps + 2, "cuda")
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
@@ -182,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.timeline and args.op != DECODE:
         parser.error("--timeline traces decode steps: use it with --op decode")
-    if args.sparse != "none" and args.op != DECODE:
+    sparse = format_class(args.sparse) is not DenseWeight
+    if sparse and args.op != DECODE:
         parser.error("--sparse sets the model's weight format: use it with --op decode")
     if args.op == DECODE and (args.baseline or args.shapes):
         parser.error("--baseline and --shapes choose kernel cases: use them with --op <kernel>, not decode")
@@ -199,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2 or args.context < 1 or args.iters < 1 or (args.layers or 0) < 0:
         parser.error("--steps must be at least 2, --context and --iters at least 1, --layers at least 0")
     if args.density is not None:
-        if args.op == "macko" and args.density not in MACKO_CASE_DENSITIES:
-            parser.error(f"--op macko has cases at densities {', '.join(str(d) for d in MACKO_CASE_DENSITIES)}, "
+        case_densities = kernel_suite.op_densities(args.op) if args.op != DECODE else ()
+        if case_densities and args.density not in case_densities:
+            parser.error(f"--op {args.op} has cases at densities {', '.join(map(str, case_densities))}, "
                          f"not {args.density}")
-        if args.op not in ("macko", DECODE) or (args.op == DECODE and args.sparse != "macko"):
-            parser.error("--density picks the pruning of --op decode --sparse macko, or the cases of --op macko")
+        if not case_densities and not (args.op == DECODE and sparse):
+            parser.error("--density picks the pruning of --op decode with a sparse --sparse, or the cases of a "
+                         "kernel op swept over densities")
         if not 0.0 < args.density <= 1.0:
             parser.error(f"--density must lie in (0, 1], got {args.density}")
     try:

@@ -8,22 +8,27 @@ the preallocated fused qkv_proj and gate_up_proj matrices. Only safetensors are 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
 from .config import ALIASES, KNOWN_CONFIGS, ModelConfig
-from .errors import CheckpointError, UnknownModelError
+from .demo import DEMO_CONFIG, DEMO_NAME, DEMO_SEED, cache_root
+from .errors import CheckpointError, MinferError, UnknownModelError
 from .model import Transformer
-from .tokenizer import bundled_tokenizer_path
+from .safetensors_io import open_safetensors
+from .sparsity.compressed import holds_random_weights, is_compressed, load_compressed
+from .tokenizer import BUNDLED_TOKENIZER, bundled_tokenizer_path
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -55,8 +60,6 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     seeded random weights (aliases need no download; other models fetch config.json only), "none"
     takes only the config and the model's own tokenizer, for weights that come from elsewhere
     (path None, not random)."""
-    from .demo import DEMO_NAME, demo_checkpoint_dir
-
     if weights not in ("hf", "random", "none"):
         raise CheckpointError(f"weights must be 'hf', 'random' or 'none', got {weights!r}")
     if model is None or model == DEMO_NAME:
@@ -89,10 +92,41 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     if weights == "none":
         return ResolvedModel(model, config, None, find_tokenizer(folder, required=True), is_random=False)
     weight_files(folder)  # fail now, before any allocation, if there is nothing to load
-    from .sparsity.compressed import holds_random_weights
-
     return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True),
                          is_random=holds_random_weights(folder))
+
+
+def demo_checkpoint_dir() -> Path:
+    """The cached demo checkpoint (minfer.demo's recipe), built on first use. The folder name hashes
+    everything that determines its contents, so a changed config or seed builds a new one."""
+    recipe = json.dumps({"config": DEMO_CONFIG.to_hf(), "seed": DEMO_SEED, "torch": torch.__version__.split("+")[0]},
+                        sort_keys=True)
+    folder = cache_root() / f"demo-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    if not (folder / "model.safetensors").is_file():
+        try:
+            _build_demo_checkpoint(folder)
+        except OSError as e:
+            raise MinferError(f"cannot write the demo checkpoint under {folder.parent} ({e.strerror}); "
+                              "set MINFER_CACHE_DIR to a writable folder") from None
+    return folder
+
+
+def _build_demo_checkpoint(folder: Path) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+    staging.chmod(0o755)
+    try:
+        model = Transformer(DEMO_CONFIG)
+        random_init(model, seed=DEMO_SEED, dtype=torch.float16, device="cpu")
+        save_hf(model, staging)
+        shutil.copyfile(BUNDLED_TOKENIZER, staging / "tokenizer.model")
+        try:
+            staging.rename(folder)  # atomic: a concurrent builder that won leaves the same files
+        except OSError:
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def find_tokenizer(folder: Path, required: bool) -> Path | None:
@@ -214,8 +248,6 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device
         if not resolved.is_random:
             raise CheckpointError(f"{resolved.name} was resolved without weights; load them from their own file")
         return random_init(model, seed, dtype, device)
-    from .sparsity.compressed import is_compressed, load_compressed
-
     if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats
         return load_compressed(model, resolved.path, dtype, device, progress)
     return load_weights(model, resolved.path, dtype, device, progress)
@@ -319,12 +351,3 @@ def save_hf(model_or_state: nn.Module | dict[str, torch.Tensor], path: str | Pat
     if config is not None:
         (folder / "config.json").write_text(json.dumps(config.to_hf(), indent=2))
     return folder
-
-
-def open_safetensors(file: Path):
-    """safe_open on the CPU, with truncated or corrupt files reported as a CheckpointError naming the file."""
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own SafetensorError for bad headers
-        raise CheckpointError(f"{file} is truncated or corrupt ({e}); delete it and download or write it "
-                              "again") from None

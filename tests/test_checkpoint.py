@@ -205,9 +205,9 @@ def test_resolve_refuses_unknown_names_and_paths(tmp_path):
 
 def test_demo_checkpoint_is_reproducible(tmp_path, monkeypatch):
     monkeypatch.setenv("MINFER_CACHE_DIR", str(tmp_path / "a"))
-    first = demo.demo_checkpoint_dir()
+    first = checkpoint.demo_checkpoint_dir()
     monkeypatch.setenv("MINFER_CACHE_DIR", str(tmp_path / "b"))
-    second = demo.demo_checkpoint_dir()
+    second = checkpoint.demo_checkpoint_dir()
     assert first.name == second.name and first != second
     for name in ("model.safetensors", "config.json", "tokenizer.model"):
         assert (first / name).read_bytes() == (second / name).read_bytes()

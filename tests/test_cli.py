@@ -1,7 +1,6 @@
 """apps/generate.py end to end, through a subprocess: the offline demo, --json, local checkpoints,
 and every bad input answered with one `error:` line on stderr and exit code 2. Offline throughout."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,17 +17,10 @@ from minfer.model import Transformer
 from minfer.runtime import available_bytes, estimate_memory
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
 from tests.conftest import requires_cuda
+from tests.helpers import load_app
 
 APP = Path(__file__).resolve().parent.parent / "apps" / "generate.py"
 PROFILE_APP = APP.with_name("profile.py")
-
-
-def load_app(path: Path):
-    """An app's module, loaded in this process (a subprocess each is slow)."""
-    spec = importlib.util.spec_from_file_location(path.stem + "_app", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -238,8 +230,8 @@ def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint
     (["--op", "decode", "--timeline", "--sparse", "macko", "--density", "1.5"], "--density must lie in"),
     (["--op", "macko", "--sparse", "macko"], "use it with --op decode"),
     (["--op", "macko", "--density", "0.25"], "--op macko has cases at densities"),
-    (["--op", "gemv", "--density", "0.5"], "--density picks the pruning of --op decode --sparse macko"),
-    (["--op", "decode", "--density", "0.5"], "--density picks the pruning of --op decode --sparse macko"),
+    (["--op", "gemv", "--density", "0.5"], "--density picks the pruning of --op decode with a sparse --sparse"),
+    (["--op", "decode", "--density", "0.5"], "--density picks the pruning of --op decode with a sparse --sparse"),
     (["--layers", "-1"], "--layers at least 0"),
     (["--op", "gemv", "--layers", "2"], "--layers cuts the profiled decode step"),
     (["--op", "decode", "--timeline", "--layers", "2"], "--layers cuts the profiled decode step"),
@@ -260,7 +252,8 @@ def test_profile_app_rejects_bad_arguments(argv, message, capsys):
 def test_profile_app_decode_model_takes_the_sparse_format(sparse, monkeypatch):
     """`--op decode --sparse macko` profiles the pruned MACKO model, with or without --timeline."""
     from minfer.bench import e2e_suite
-    from minfer.formats import DenseWeight, MackoWeight
+    from minfer.formats import DenseWeight
+    from minfer.formats.macko import MackoWeight
 
     monkeypatch.setattr(e2e_suite, "build_model", lambda name, dtype: tiny_random_model(dtype))
     app = load_app(PROFILE_APP)
@@ -442,10 +435,10 @@ def test_corrupt_macko_arrays_are_refused_when_loaded(local_checkpoint, tmp_path
     no_shape = {**layout, next(iter(layout)): {"format": "macko"}}
     app = load_app(APP)
     for tensors, meta, message in (
-            ({values_key: original[values_key].to(torch.int32)}, {}, "is torch.int32, expected a float tensor"),
-            ({key: original[key].float()}, {}, "is torch.float32, expected torch.int32"),
-            ({deltas_key: original[deltas_key].view(torch.int8)}, {}, "is torch.int8, expected torch.uint8"),
-            ({values_key: original[values_key][:-8].contiguous()}, {}, "disagree: MACKO stores one nibble per value"),
+            ({values_key: original[values_key].to(torch.int32)}, {}, "MACKO values must be a 1-D float tensor"),
+            ({key: original[key].float()}, {}, "MACKO row_ptr must be int32"),
+            ({deltas_key: original[deltas_key].view(torch.int8)}, {}, "MACKO deltas must be uint8"),
+            ({values_key: original[values_key][:-8].contiguous()}, {}, "bytes (one nibble per value)"),
             ({}, {"minfer_formats": "{not json"}, "unreadable minfer_formats metadata"),
             ({}, {"minfer_formats": "[1, 2]"}, "malformed minfer_formats metadata"),
             ({}, {"minfer_formats": json.dumps(no_shape)}, "malformed minfer_formats metadata"),

@@ -8,7 +8,8 @@ import torch
 
 from minfer.checkpoint import random_init
 from minfer.config import ModelConfig
-from minfer.formats import MackoWeight, convert
+from minfer.formats import convert
+from minfer.formats.macko import MackoWeight
 from minfer.generate import Generator
 from minfer.model import Transformer
 from minfer.sampling import SamplingParams

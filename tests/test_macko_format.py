@@ -1,5 +1,7 @@
 """MACKO-16-4 format: the reference compressor's arrays byte for byte, exact round trips, edge cases."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from minfer.formats.macko import MackoWeight, compress, concat_rows
 
 
 def walk_compress(matrix: torch.Tensor):
-    """The compression rules of shared/FORMATS.md, one column at a time (the slow oracle)."""
+    """The compression rules of docs/FORMATS.md, one column at a time (the slow oracle)."""
     values, nibbles, row_ptr = [], [], [0]
     for row in matrix:
         skipped, kept = 0, len(values)
@@ -74,7 +76,7 @@ def test_worked_example_byte_for_byte():
         torch.tensor([0, 54, 15, 0, 76, 95, 69, 16, 149, 18, 16, 0], dtype=torch.uint8),
         torch.tensor([0, 6, 10, 12, 13, 22], dtype=torch.int32),
     ))
-    # FORMATS.md: row 0's nibbles are 0, 0, 6, 3, 15, 0 and pack into the bytes 0, 54, 15
+    # docs/FORMATS.md: row 0's nibbles are 0, 0, 6, 3, 15, 0 and pack into the bytes 0, 54, 15
     row0 = [0, 0, 6, 3, 15, 0]
     assert deltas[:3].tolist() == [lo | hi << 4 for lo, hi in zip(row0[0::2], row0[1::2])] == [0, 54, 15]
     assert torch.equal(ops.macko_decompress_reference(values, deltas, row_ptr, 32), WORKED_EXAMPLE)
@@ -155,8 +157,10 @@ def test_weight_buffers_nbytes_and_size_report():
     assert {name for name, _ in weight.named_buffers()} == {"values", "deltas", "row_ptr"}
     assert weight.nbytes == 2 * weight.values.numel() + weight.values.numel() // 2 + 4 * 10
     assert weight.values.numel() == stored + (-stored % 8)
-    assert weight.nonzeros() == int(torch.count_nonzero(matrix))
-    assert weight.rows_larger_than_dense() >= 1
+    stats = weight.stats()
+    assert stats.nonzeros == int(torch.count_nonzero(matrix)) and stats.elements == 9 * 40
+    assert stats.stored_bytes == weight.nbytes and stats.dense_bytes == 2 * 9 * 40
+    assert stats.rows_larger_than_dense >= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -165,16 +169,7 @@ def test_rows_larger_than_dense_counts_the_value_size(dtype):
     the dense row in any dtype; a row of a quarter of its columns takes less in any dtype."""
     matrix = torch.randn(6, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
     matrix[3:, 16:] = 0
-    assert MackoWeight.from_dense(matrix).rows_larger_than_dense() == 3
-
-
-def test_from_dense_with_density_prunes_each_row():
-    matrix = torch.randn(10, 64).half()
-    weight = MackoWeight.from_dense(matrix, density=0.25)
-    dense = weight.to_dense()
-    assert (dense != 0).sum(dim=1).tolist() == [16] * 10
-    kept = dense != 0
-    assert torch.equal(dense[kept], matrix[kept])
+    assert MackoWeight.from_dense(matrix).stats().rows_larger_than_dense == 3
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16, 17, 40])
@@ -276,6 +271,24 @@ def test_save_and_load_compressed_round_trip(tmp_path):
     assert torch.equal(logits(model), logits(loaded))
 
 
+def test_a_folder_saved_before_options_were_recorded_still_loads(tmp_path):
+    """Earlier saves recorded each projection's format and shape only: they load with no options."""
+    from safetensors.torch import load_file, save_file
+
+    from minfer.checkpoint import ResolvedModel, load_model
+    from minfer.sparsity.compressed import METADATA_KEY, RANDOM_KEY, save_compressed
+
+    model = convert(tiny_pruned_model(torch.float16), "macko")
+    folder = save_compressed(model, tmp_path / "compressed")
+    file = folder / "model.safetensors"
+    earlier = {name: {"format": fmt.name, "shape": list(fmt.shape)} for name, fmt in
+               ((name, linear.fmt) for name, linear in model.projections())}
+    save_file(load_file(str(file)), str(file),
+              metadata={"format": "pt", METADATA_KEY: json.dumps(earlier), RANDOM_KEY: "false"})
+    resolved = ResolvedModel("tiny", model.config, folder, folder / "tokenizer.model", is_random=False)
+    assert torch.equal(logits(model), logits(load_model(resolved, torch.float16, "cpu")))
+
+
 def test_a_float32_run_saves_16_bit_values_when_they_are_exact(tmp_path):
     """A float32 CPU run of a 16-bit checkpoint writes fp16 MACKO values (the format's own layout);
     a tensor that 16 bits cannot hold exactly stays float32, so saving never rounds."""
@@ -321,7 +334,7 @@ def test_stored_weight_bytes_is_what_loading_allocates(tmp_path, dtype):
 
 
 def compress_keeping_trailing_zeros(weight: torch.Tensor):
-    """An older reference compressor's arrays: FORMATS.md's walk, one row at a time, without dropping
+    """An older reference compressor's arrays: docs/FORMATS.md's walk, one row at a time, without dropping
     the stored zeros after a row's last nonzero."""
     from minfer.formats.macko import _pack
 
@@ -346,7 +359,7 @@ def test_load_reference_tool_checkpoint(tmp_path, trailing_zeros):
     from minfer.checkpoint import hf_state_dict
     from minfer.model import Transformer
     from minfer.errors import CheckpointError
-    from minfer.sparsity.compressed import load_reference_macko
+    from minfer.sparsity.reference import load_reference
 
     model = tiny_pruned_model(torch.float16)
     with torch.no_grad():  # room after each row's last nonzero for a kept zero every 16 columns
@@ -364,7 +377,8 @@ def test_load_reference_tool_checkpoint(tmp_path, trailing_zeros):
         else:
             state[name] = tensor.clone()
     torch.save(state, tmp_path / "llama_compressed")
-    loaded = load_reference_macko(Transformer(model.config), tmp_path / "llama_compressed", torch.float16, "cpu")
+    loaded = load_reference(Transformer(model.config), MackoWeight, tmp_path / "llama_compressed", torch.float16,
+                            "cpu")
     for (name, dense), (_, sparse) in zip(model.projections(), loaded.projections()):
         assert_same_arrays((sparse.fmt.values, sparse.fmt.deltas, sparse.fmt.row_ptr),
                            compressor(dense.fmt.weight.contiguous()))
@@ -372,4 +386,4 @@ def test_load_reference_tool_checkpoint(tmp_path, trailing_zeros):
     key = next(name for name in state if name.endswith(".c_2") and int(state[name][-1]) > 0)
     torch.save({**state, key: state[key].flip(0)}, tmp_path / "reversed_row_ptr")
     with pytest.raises(CheckpointError, match=r"\.c_0 \.\. .*\.c_2 .*row_ptr must start at 0 and never decrease"):
-        load_reference_macko(Transformer(model.config), tmp_path / "reversed_row_ptr", torch.float16, "cpu")
+        load_reference(Transformer(model.config), MackoWeight, tmp_path / "reversed_row_ptr", torch.float16, "cpu")

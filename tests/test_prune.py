@@ -152,10 +152,11 @@ def test_generation_runs_after_pruning_and_compression():
 
 def test_corrupt_reference_checkpoint_is_a_clear_error(tmp_path):
     from minfer.errors import CheckpointError
-    from minfer.sparsity.compressed import load_reference_macko
+    from minfer.formats.macko import MackoWeight
+    from minfer.sparsity.reference import load_reference
 
     corrupt = tmp_path / "compressed.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     model = Transformer(tiny_model().config)
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        load_reference_macko(model, corrupt, torch.float32, "cpu")
+        load_reference(model, MackoWeight, corrupt, torch.float32, "cpu")

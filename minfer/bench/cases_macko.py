@@ -100,7 +100,7 @@ def fused_macko_case(n: int, k: int, fusion: str, dtype: torch.dtype, tokens: in
 # 4 run on the CUDA-core SpMM, 16 on the tensor-core one.
 SPMM_ADD_TOKENS = (4, 16)
 
-register("macko", macko_cases)
+register("macko", macko_cases, densities=DENSITIES)
 # The decode's fused projections (lm_head stays dense in the model, so not its norm case).
 register("macko_fused", lambda dtype: [fused_macko_case(n, k, fusion, dtype) for n, k, fusion in FUSED_SHAPES
                                        if (n, k) != (32000, 4096)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -33,7 +34,9 @@ Runner = Callable[[int], None]
 @dataclass(frozen=True)
 class KernelCase:
     op: str
-    shape: str  # label; its first word is what --shapes matches ("4096x11008 t8" matches "4096x11008")
+    # label; its first word is what --shapes matches ("4096x11008 t8" matches "4096x11008"); an op swept over
+    # densities labels each case " d<density> " (apps/profile.py --density picks them)
+    shape: str
     dtype: torch.dtype
     bytes: int  # the fewest bytes the op must move: each input read once, each output written once
     flops: int
@@ -46,6 +49,7 @@ class KernelCase:
 
 CaseFactory = Callable[[torch.dtype], list[KernelCase]]
 _factories: dict[str, CaseFactory] = {}
+_densities: dict[str, tuple[float, ...]] = {}
 
 COLUMNS = [
     Column("op", "op"),
@@ -61,15 +65,14 @@ COLUMNS = [
 ]
 
 
-def register(op: str, factory: CaseFactory) -> None:
-    """Make `op` selectable; `factory(dtype)` lists its cases."""
+def register(op: str, factory: CaseFactory, densities: tuple[float, ...] = ()) -> None:
+    """Make `op` selectable; `factory(dtype)` lists its cases, at `densities` for an op swept over them."""
     _factories[op] = factory
+    _densities[op] = densities
 
 
 def _discover() -> None:
-    from minfer import bench
-
-    for info in pkgutil.iter_modules(bench.__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).resolve().parent)]):
         if info.name.startswith("cases_"):
             importlib.import_module(f"minfer.bench.{info.name}")
 
@@ -77,6 +80,12 @@ def _discover() -> None:
 def registered_ops() -> list[str]:
     _discover()
     return sorted(_factories)
+
+
+def op_densities(op: str) -> tuple[float, ...]:
+    """The densities `op`'s cases sweep (none for an op on dense or unpruned data)."""
+    _discover()
+    return _densities.get(op, ())
 
 
 def select(ops: list[str] | None = None, shapes: list[str] | None = None,

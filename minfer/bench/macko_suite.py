@@ -14,6 +14,7 @@ own bytes (MACKO: values 2P + deltas P/2 + row_ptr; plus x and y) against the co
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 from pathlib import Path
@@ -24,8 +25,11 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import MinferError
+from ..formats import convert
+from ..formats.macko import release_scratch
 from ..model import EMBEDDING_PLACES
-from . import report
+from ..sparsity import prune_model_
+from . import e2e_suite, report
 from .arg_types import density_list, matrix_shape_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
 from .timing import copy_bandwidth_gbs, elapsed_ms, rotation_count, time_graph, warm_up
@@ -219,13 +223,6 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
     then stored as MACKO, on minfer's kernels (batch 1, the same prompt, EOS off; the token embedding
     on `embedding`, see Transformer.place_embedding). Peak memory counts from before the model is
     built, so what earlier suites of the same process still hold does not inflate it."""
-    import gc
-
-    from ..formats import convert
-    from ..formats.macko import release_scratch
-    from ..sparsity import prune_model_
-    from . import e2e_suite
-
     rows = []
     for density in densities:
         release_scratch()  # the previous model and its prefill buffer belong to their own peak

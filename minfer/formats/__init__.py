@@ -1,25 +1,28 @@
-"""Weight formats, by name, and `convert`: the one place `--sparse` goes through."""
+"""Weight formats, by name, and `convert`: the one place `--sparse` goes through.
+
+Every module of this package is imported here, so a format registers itself (`@register` in its own
+module) and nothing lists the formats by hand.
+"""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..errors import FormatError
-from .base import WeightFormat
+from .base import FORMATS, WeightFormat, WeightStats, format_choices, format_class, register
 from .dense import DenseWeight
-from .macko import MackoWeight
-
-FORMATS: dict[str, type[WeightFormat]] = {DenseWeight.name: DenseWeight, MackoWeight.name: MackoWeight}
-ALIASES = {"none": DenseWeight.name}
 
 
-def format_class(spec: str) -> type[WeightFormat]:
-    name = ALIASES.get(spec, spec)
-    if name not in FORMATS:
-        choices = ", ".join(sorted([*FORMATS, *ALIASES]))
-        raise FormatError(f"unknown weight format {spec!r}; choose one of: {choices}")
-    return FORMATS[name]
+
+def _import_every_module() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_every_module()
 
 
 def convert(model: nn.Module, spec: str, progress: bool = False, **options) -> nn.Module:
@@ -36,4 +39,5 @@ def convert(model: nn.Module, spec: str, progress: bool = False, **options) -> n
     return model
 
 
-__all__ = ["FORMATS", "WeightFormat", "DenseWeight", "MackoWeight", "convert", "format_class"]
+__all__ = ["FORMATS", "DenseWeight", "WeightFormat", "WeightStats", "convert", "format_choices", "format_class",
+           "register"]

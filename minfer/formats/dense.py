@@ -3,16 +3,20 @@ runs minfer's GEMV and longer inputs its HGEMM; anything else goes through torch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
 from .. import ops
 from ..errors import FormatError
-from .base import WeightFormat
+from .base import WeightFormat, expect_tensors, register
 
 
+@register
 class DenseWeight(WeightFormat):
     name = "dense"
+    aliases = ("none",)
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2:
@@ -24,8 +28,22 @@ class DenseWeight(WeightFormat):
     def from_dense(cls, weight: torch.Tensor) -> DenseWeight:
         return cls(weight)
 
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int],
+                     options: Mapping[str, object]) -> DenseWeight:
+        expect_tensors(cls, tensors, ("weight",))
+        weight = tensors["weight"]
+        if tuple(weight.shape) != tuple(shape) or not weight.is_floating_point():
+            raise FormatError(f"a dense weight of shape {tuple(shape)} is a float tensor of that shape, got "
+                              f"{weight.dtype} {tuple(weight.shape)}")
+        return cls(weight)
+
     def to_dense(self) -> torch.Tensor:
         return self.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
 
     def _runs_kernels(self, x: torch.Tensor) -> bool:
         return x.dtype == self.weight.dtype and x.dtype in (torch.float16, torch.bfloat16) and ops.use_kernels(x)

@@ -1,4 +1,4 @@
-"""MACKO-16-4 unstructured sparse weights (shared/FORMATS.md).
+"""MACKO-16-4 unstructured sparse weights (docs/FORMATS.md).
 
 `compress` turns a dense matrix into the reference library's three arrays (macko_spmv v0.2.0),
 array for array, vectorized in torch on the matrix's device. `MackoWeight` keeps them as buffers
@@ -6,15 +6,18 @@ and multiplies with the SpMV/SpMM kernel for up to 8 tokens (decode, batched dec
 tensor-core SpMM for 9-16 (speculative verification; it needs a window table, built on first use).
 Longer inputs (prefill) decompress blocks of rows into one 64 MB scratch buffer
 shared by every MACKO layer and run dense matmuls, so no dense copy of the model is ever kept.
+`MackoWeight.from_reference` imports the checkpoints of macko_spmv's compression script.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .. import ops
-from ..errors import FormatError
-from .base import WeightFormat
+from ..errors import CheckpointError, FormatError
+from .base import WeightFormat, WeightStats, expect_tensors, register
 
 MAX_SKIP = 15  # a 4-bit nibble: after 15 skipped zeros an explicit zero is stored
 ALIGN = 8  # values are padded to a multiple of 8 entries (one 16-byte load)
@@ -110,10 +113,14 @@ def scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.devic
     return buffer[: rows * cols].view(rows, cols)
 
 
+@register
 class MackoWeight(WeightFormat):
     """An [N, K] matrix as MACKO-16-4 buffers `values`, `deltas`, `row_ptr`."""
 
     name = "macko"
+    reference = ("a checkpoint of macko_spmv's compression script (keys <name>.c_0 ... c_4); config and "
+                 "tokenizer come from --model, whose weights are not downloaded")
+    TENSORS = ("values", "deltas", "row_ptr")
 
     def __init__(self, values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor, shape: tuple[int, int]):
         rows, cols = shape
@@ -135,27 +142,50 @@ class MackoWeight(WeightFormat):
         self._window_table: torch.Tensor | None = None
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, density: float | None = None) -> MackoWeight:
-        """Compress `weight`; with `density`, first keep only the largest |w| of each row."""
-        if density is not None:
-            from ..sparsity.prune import prune_magnitude_
-
-            weight = prune_magnitude_(weight.clone(), density)
+    def from_dense(cls, weight: torch.Tensor) -> MackoWeight:
         return cls(*compress(weight), shape=tuple(weight.shape))
 
     @classmethod
-    def empty(cls, shape: tuple[int, int], padded_entries: int, dtype: torch.dtype,
-              device: torch.device | str) -> MackoWeight:
-        """Uninitialized buffers (e.g. on the meta device) for a loader to fill."""
-        return cls(torch.empty(padded_entries, dtype=dtype, device=device),
-                   torch.empty(padded_entries // 2, dtype=torch.uint8, device=device),
-                   torch.empty(shape[0] + 1, dtype=torch.int32, device=device), shape)
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int],
+                     options: Mapping[str, object]) -> MackoWeight:
+        expect_tensors(cls, tensors, cls.TENSORS)
+        return cls(*(tensors[name] for name in cls.TENSORS), shape=tuple(shape))
+
+    @classmethod
+    def from_reference(cls, tensors: Mapping[str, object], parts: list[tuple[str, tuple[int, int]]],
+                       where: str) -> MackoWeight:
+        """macko_spmv's compression script stores each HF weight `<name>.weight` as `<name>.c_0` ... `.c_4`:
+        values, deltas, row_ptr, rows, cols. The parts' rows are stacked (concatenating MACKO rows equals
+        compressing the stacked matrix)."""
+        arrays = []
+        for hf_name, shape in parts:
+            keys = [hf_name.removesuffix("weight") + f"c_{i}" for i in range(5)]
+            if any(k not in tensors for k in keys):
+                raise CheckpointError(f"{where} lacks {next(k for k in keys if k not in tensors)}; the reference "
+                                      "compressor stores <name>.c_0 ... .c_4 for every attention and MLP weight")
+            rows, cols = (_reference_size(tensors[k], k, where) for k in keys[3:])
+            if (rows, cols) != tuple(shape):
+                raise CheckpointError(f"{keys[0]} in {where} is {rows}x{cols}, expected {shape[0]}x{shape[1]}")
+            part = [tensors[k] for k in keys[:3]]
+            if not all(isinstance(a, torch.Tensor) for a in part):
+                raise CheckpointError(f"{keys[0]} .. {keys[2]} in {where} must be tensors (values, deltas, row_ptr)")
+            try:
+                ops.check_macko_arrays(*part, cols)
+            except FormatError as exc:
+                raise CheckpointError(f"{keys[0]} .. {keys[2]} in {where}: {exc}") from None
+            arrays.append(tuple(part))
+        rows = sum(shape[0] for _, shape in parts)
+        return cls(*concat_rows(arrays), shape=(rows, parts[0][1][1]))
 
     def check(self) -> None:
         ops.check_macko_arrays(self.values, self.deltas, self.row_ptr, self.in_features)
 
     def to_dense(self) -> torch.Tensor:
         return ops.macko_decompress(self.values, self.deltas, self.row_ptr, cols=self.in_features)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()
@@ -224,18 +254,23 @@ class MackoWeight(WeightFormat):
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if residual is None else residual.add_(y)
 
-    # --- what the reports show -------------------------------------------------------------
-
-    @property
-    def dense_nbytes(self) -> int:
-        return self.out_features * self.in_features * self.values.element_size()
-
-    def nonzeros(self) -> int:
-        stored = int(self.row_ptr[-1])
-        return int(torch.count_nonzero(self.values[:stored]))
-
-    def rows_larger_than_dense(self) -> int:
-        """Rows whose entries (a value and a nibble each) plus their row_ptr slot outweigh the dense row."""
+    def stats(self) -> WeightStats:
+        """Nonzeros counted in the stored values; a row is larger than dense when its entries (a value and a
+        nibble each) plus its row_ptr slot outweigh the dense row."""
+        rows, cols = self.shape
         value_bytes = self.values.element_size()
+        stored = int(self.row_ptr[-1])
         bytes_x2 = (2 * value_bytes + 1) * self.row_ptr.diff().long() + 2 * self.row_ptr.element_size()
-        return int((bytes_x2 > 2 * self.in_features * value_bytes).sum())
+        return WeightStats(rows * cols, int(torch.count_nonzero(self.values[:stored])), self.nbytes,
+                           rows * cols * value_bytes, int((bytes_x2 > 2 * cols * value_bytes).sum()))
+
+
+def _reference_size(value, key: str, where: str) -> int:
+    """A matrix size stored by the reference compressor: an int, or a one-element integer tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise CheckpointError(f"{key} in {where} must be an integer (the matrix's rows or columns), "
+                          f"got {str(value)[:40]!r}")

@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
+from ..checkpoint import load_model as load_checkpoint
 from ..errors import MinferError
+from ..formats import FORMATS, DenseWeight, WeightFormat, convert, format_class
+from ..model import Transformer
+from .compressed import check_save_target, is_compressed, save_compressed
+from .compressed import stored_weight_bytes as file_weight_bytes
 from .prune import METHODS, calibration_tokens, check_density, keep_per_row, prune_model_
+from .reference import load_reference, reference_formats
 from .report import BlockReport, block_reports, format_report, report_summary
 
 CALIB_SAMPLES = 16
 CALIB_SEQ_LEN = 256
 
 
+def sparse_flag() -> str:
+    """The --sparse values that store the projections sparse, as a flag to suggest ("--sparse a|b")."""
+    return "--sparse " + "|".join(sorted(name for name, cls in FORMATS.items() if cls is not DenseWeight))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sparsity (with --sparse macko)")
+    group = parser.add_argument_group(f"sparsity (with {sparse_flag()})")
     group.add_argument("--density", type=float, default=None, metavar="D",
                        help="prune each projection row to this fraction of its weights before converting "
                             "(e.g. 0.5); default: keep the checkpoint's zeros as they are (random weights "
@@ -33,13 +44,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calib-seq-len", type=int, default=None, metavar="L",
                        help=f"tokens per wanda sample (default: {CALIB_SEQ_LEN})")
     group.add_argument("--save-compressed", default=None, metavar="DIR",
-                       help="write the pruned, converted model to DIR (with --sparse macko; float tensors as "
+                       help=f"write the pruned, converted model to DIR (with {sparse_flag()}; float tensors as "
                             "float16 or bfloat16 when that holds them exactly, e.g. after a float32 CPU run of a "
                             "16-bit checkpoint); later runs load it with --model DIR")
-    group.add_argument("--macko-reference", default=None, metavar="FILE",
-                       help="load the projections from a checkpoint of macko_spmv's compression script "
-                            "(keys <name>.c_0 ... c_4); config and tokenizer come from --model, whose "
-                            "weights are not downloaded")
+    for cls in reference_formats():
+        group.add_argument(f"--{cls.name}-reference", dest=f"{cls.name}_reference", default=None, metavar="FILE",
+                           help=f"load the projections from {cls.reference}")
+
+
+class Reference(NamedTuple):
+    flag: str  # --<format>-reference
+    fmt: type[WeightFormat]
+    file: str
+
+
+def reference_source(args: argparse.Namespace) -> Reference | None:
+    """The --<format>-reference flag given (another tool's checkpoint brings the projections), or None."""
+    given = [Reference(f"--{cls.name}-reference", cls, getattr(args, f"{cls.name}_reference"))
+             for cls in reference_formats() if getattr(args, f"{cls.name}_reference") is not None]
+    if len(given) > 1:
+        raise MinferError(f"{given[0].flag} and {given[1].flag} both load the projections; pass one of them")
+    return given[0] if given else None
 
 
 def sparse_format(args: argparse.Namespace) -> str:
@@ -48,7 +73,7 @@ def sparse_format(args: argparse.Namespace) -> str:
 
 
 def weight_formats(model: nn.Module) -> str:
-    """The formats the projections are stored in, e.g. "macko" or "dense+macko"."""
+    """The formats the projections are stored in, e.g. "dense" or "dense+<sparse format>"."""
     return "+".join(sorted({linear.fmt.name for _, linear in model.projections()}))
 
 
@@ -60,20 +85,20 @@ def calibration_shape(args: argparse.Namespace) -> tuple[int, int]:
 
 def weights_source(args: argparse.Namespace) -> str:
     """resolve()'s `weights` argument: a reference checkpoint brings the weights itself."""
-    if not args.macko_reference:
+    reference = reference_source(args)
+    if reference is None or not reference.file:
         return args.weights
     if args.weights == "random":
-        raise MinferError("--macko-reference loads the weights from its file: drop --weights random")
+        raise MinferError(f"{reference.flag} loads the weights from its file: drop --weights random")
     return "none"
 
 
 def compressed_source(args: argparse.Namespace, resolved) -> str | Path | None:
-    """Where compressed weights load from (--macko-reference, or a --model folder written by
+    """Where compressed weights load from (--<format>-reference, or a --model folder written by
     --save-compressed), or None when the weights are dense."""
-    from .compressed import is_compressed
-
-    if args.macko_reference:
-        return args.macko_reference
+    reference = reference_source(args)
+    if reference is not None and reference.file:
+        return reference.file
     if resolved.path is not None and is_compressed(resolved.path):
         return resolved.path
     return None
@@ -81,8 +106,8 @@ def compressed_source(args: argparse.Namespace, resolved) -> str | Path | None:
 
 def check(args: argparse.Namespace, resolved) -> None:
     """Refuse, before loading anything, flags that would be ignored or do something else than asked."""
-    from ..formats import format_class
-
+    reference = reference_source(args)
+    reference_flag = [(reference.flag, reference.file)] if reference is not None else []
     calib_flags = [flag for flag, value in (("--calib-text", args.calib_text), ("--calib-samples", args.calib_samples),
                                             ("--calib-seq-len", args.calib_seq_len)) if value is not None]
     if args.density is None and (args.prune or calib_flags):
@@ -95,11 +120,11 @@ def check(args: argparse.Namespace, resolved) -> None:
     for flag, value in (("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):
         if value is not None and value < 1:
             raise MinferError(f"{flag} must be at least 1, got {value}")
-    for flag, value in (("--macko-reference", args.macko_reference), ("--calib-text", args.calib_text),
+    for flag, value in (*reference_flag, ("--calib-text", args.calib_text),
                         ("--save-compressed", args.save_compressed)):
         if value is not None and not value.strip():
             raise MinferError(f"{flag} is empty; pass a path")
-    for flag, value in (("--macko-reference", args.macko_reference), ("--calib-text", args.calib_text)):
+    for flag, value in (*reference_flag, ("--calib-text", args.calib_text)):
         if value and not Path(value).is_file():
             what = "is a folder, not a file" if Path(value).is_dir() else "does not exist"
             raise MinferError(f"{flag} {value} {what}")
@@ -107,11 +132,11 @@ def check(args: argparse.Namespace, resolved) -> None:
     if args.density is not None and stored:
         raise MinferError("this model is stored compressed, so it is pruned already; --density needs dense "
                           "weights: start from the dense checkpoint")
-    if args.sparse is not None and format_class(args.sparse).name == "dense" and stored:
+    if args.sparse is not None and format_class(args.sparse) is DenseWeight and stored:
         raise MinferError(f"this model is stored compressed and loads with its projections as stored; --sparse "
                           f"{args.sparse} would not decompress them: drop --sparse, or start from the dense checkpoint")
     sparse = sparse_format(args)
-    if args.density is None and resolved.is_random and format_class(sparse).name != "dense" and not stored:
+    if args.density is None and resolved.is_random and format_class(sparse) is not DenseWeight and not stored:
         raise MinferError(f"random weights have no zeros: --sparse {sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
     _, seq_len = calibration_shape(args)
@@ -120,13 +145,11 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"--calib-seq-len {seq_len}{given} exceeds the {resolved.config.max_position_embeddings} "
                           "positions this model supports; pass a smaller --calib-seq-len")
     if args.save_compressed:
-        if format_class(sparse).name == "dense" and not stored:
-            raise MinferError("--save-compressed writes compressed projections; add --sparse macko (and --density D "
-                              "to prune first, e.g. --density 0.5)")
-        from .compressed import check_save_target
-
+        if format_class(sparse) is DenseWeight and not stored:
+            raise MinferError(f"--save-compressed writes compressed projections; add {sparse_flag()} (and --density "
+                              "D to prune first, e.g. --density 0.5)")
         target = Path(args.save_compressed).expanduser()
-        sources = [Path(args.macko_reference).parent] if args.macko_reference else []
+        sources = [Path(reference.file).parent] if reference is not None and reference.file else []
         sources += [resolved.path] if resolved.path is not None else []
         if args.model and Path(args.model).expanduser().is_dir():  # with random weights too: its files stay
             sources.append(Path(args.model).expanduser())
@@ -152,23 +175,18 @@ def calibration(args: argparse.Namespace, tokenizer, config) -> torch.Tensor | N
 
 def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) -> int | None:
     """The loaded weights' bytes when they are compressed (for the memory check), else None: dense."""
-    from .compressed import stored_weight_bytes as file_weight_bytes
-
     source = compressed_source(args, resolved)
     return None if source is None else file_weight_bytes(source, dtype)
 
 
 def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argparse.Namespace,
                seed: int = 0) -> nn.Module:
-    """The model `resolved` names (compressed folders included), or one filled from --macko-reference,
+    """The model `resolved` names (compressed folders included), or one filled from --<format>-reference,
     with progress bars."""
-    from ..checkpoint import load_model as load_checkpoint
-    from ..model import Transformer
-    from .compressed import load_reference_macko
-
-    if args.macko_reference:
-        return load_reference_macko(Transformer(resolved.config), Path(args.macko_reference), dtype, device,
-                                    progress=True)
+    reference = reference_source(args)
+    if reference is not None and reference.file:
+        return load_reference(Transformer(resolved.config), reference.fmt, Path(reference.file), dtype, device,
+                              progress=True)
     return load_checkpoint(resolved, dtype, device, seed=seed, progress=True)
 
 
@@ -178,34 +196,30 @@ def apply(model: nn.Module, args: argparse.Namespace, calibration_ids: torch.Ten
     """Prune (--density, --prune; wanda over `calibration_ids`, from calibration()), convert to
     --sparse, report, and save (--save-compressed; a save of `random_weights` says so in its file).
     Returns the per-block report when the projections are pruned or stored sparse."""
-    from ..formats import convert, format_class
-
     cls = format_class(sparse_format(args))
     if args.density is not None:
         method = args.prune or "magnitude"
         note(f"pruning the projections to density {args.density} ({method})")
         prune_model_(model, args.density, method, calibration_ids)
-        if cls.name == "dense":
-            note("NOTE: without --sparse macko the pruned projections stay dense: the same memory and speed as "
-                 "before; add --sparse macko to store them compressed")
+        if cls is DenseWeight:
+            note(f"NOTE: without {sparse_flag()} the pruned projections stay dense: the same memory and speed as "
+                 f"before; add {sparse_flag()} to store them compressed")
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format
-    converted = cls.name != "dense" and any(not isinstance(linear.fmt, cls) for _, linear in model.projections())
+    converted = cls is not DenseWeight and any(not isinstance(linear.fmt, cls) for _, linear in model.projections())
     if converted:
         convert(model, sparse_format(args), progress=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand the dense matrices' memory back
     reports = None
-    if args.density is not None or converted or any(linear.fmt.name != "dense" for _, linear in model.projections()):
+    if args.density is not None or converted or any(linear.fmt.name != DenseWeight.name
+                                                    for _, linear in model.projections()):
         reports = block_reports(model)
         note(format_report(reports, model))
         summary = report_summary(reports)
         if summary["projection_bytes_stored"] > summary["projection_bytes_dense"]:
-            note(f"NOTE: the projections take more memory as {weight_formats(model)} than dense (MACKO pays off "
-                 "below a density of about 0.75); keep them dense, or prune the dense checkpoint further "
-                 "(--density, e.g. 0.5)")
+            note(f"NOTE: the projections take more memory as {weight_formats(model)} than dense; keep them dense, or "
+                 "prune the dense checkpoint further (--density, e.g. 0.5)")
     if args.save_compressed:
-        from .compressed import save_compressed
-
         folder = save_compressed(model, args.save_compressed, tokenizer_path, progress=True,
                                  random_weights=random_weights)
         note(f"saved the compressed model to {folder}; run it with --model {folder}")

@@ -1,16 +1,13 @@
 """Compressed checkpoints: prune and compress once, then start fast.
 
 A compressed folder holds config.json, the tokenizer, and one model.safetensors with every tensor
-under its minfer name (`layers.0.self_attn.qkv_proj.fmt.values`, ..., `embed_tokens.weight`) plus a
-metadata entry `minfer_formats`: JSON mapping each projection to its format and shape. It loads like
-any checkpoint folder (`--model DIR`): the projections are built in their formats on the meta
-device, allocated once on the target device, and filled from the memory-mapped file.
-
-Checkpoints written by the reference tool's compression script (macko_spmv's
-`util_compress_llm.py`: HF names with `.weight` replaced by `.c_0` ... `.c_4` = values, deltas,
-row_ptr, rows, cols) load with `load_reference_macko`. That script writes them with `torch.save`;
-they are read with `torch.load(weights_only=True)`, which refuses anything but tensors and plain
-containers. A safetensors file with the same keys works too.
+under its minfer name (a projection's as `<projection>.fmt.<tensor>`, the tensors its format's
+`tensors()` names; the rest as `embed_tokens.weight`, ...) plus a metadata entry `minfer_formats`:
+JSON mapping each projection to its format's name, shape and options. It loads like any checkpoint
+folder (`--model DIR`): each format rebuilds itself on the meta device from the file's tensor
+headers (`WeightFormat.from_tensors`), the model is allocated once on the target device and filled
+from the memory-mapped file, and each format checks what it read (`WeightFormat.check`). Folders
+written before options were recorded load with no options.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import math
 import os
 import shutil
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -28,9 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError, FormatError
-from ..formats import FORMATS, DenseWeight, MackoWeight
-from ..formats.macko import concat_rows
-from ..ops import check_macko_arrays
+from ..formats import WeightFormat, format_choices, format_class
+from ..safetensors_io import DTYPES, open_safetensors, stored_dtype
 
 METADATA_KEY = "minfer_formats"
 RANDOM_KEY = "minfer_random_weights"  # "true" when the saved weights were random numbers
@@ -87,7 +82,7 @@ def _umask() -> int:
 
 def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | Path | None = None,
                     progress: bool = False, random_weights: bool = False) -> Path:
-    """Write `model` (projections in any mix of dense and MACKO) as a compressed checkpoint folder:
+    """Write `model` (projections in any mix of formats) as a compressed checkpoint folder:
     a new or empty one, or one an earlier save wrote (check_save_target). Weights and config go to
     temporary files renamed only once both are complete, so an interrupted save leaves the folder's
     earlier checkpoint, if any, whole. `random_weights` is kept in the file, so the reloaded model
@@ -95,9 +90,11 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
     from safetensors.torch import save_file
 
     folder = check_save_target(folder, create=True)
-    layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape)}
-              for name, linear in model.projections()}
-    source = model.checkpoint_tensors()
+    projections = dict(model.projections())
+    layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape), "options": linear.fmt.options()}
+              for name, linear in projections.items()}
+    source = model.checkpoint_tensors() | {f"{name}.fmt.{key}": tensor for name, linear in projections.items()
+                                           for key, tensor in linear.fmt.tensors().items()}
     tensors = {name: _file_copy(t)
                for name, t in tqdm(source.items(), desc="copying to host", unit="tensor", disable=not progress)}
     if progress:
@@ -126,8 +123,8 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
 
 def _file_copy(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor on the host as the file stores it: float32 as float16 or bfloat16 when one of them
-    holds every value exactly (a float32 CPU run of a 16-bit checkpoint), so the file keeps
-    MACKO's 16-bit values; otherwise unchanged, so saving never rounds."""
+    holds every value exactly (a float32 CPU run of a 16-bit checkpoint), so the file keeps a
+    format's 16-bit values; otherwise unchanged, so saving never rounds."""
     host = tensor.detach().to("cpu").contiguous()
     if host.dtype == torch.float32:
         for narrow in (torch.float16, torch.bfloat16):
@@ -138,8 +135,6 @@ def _file_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _metadata(folder: Path) -> dict:
-    from ..checkpoint import open_safetensors
-
     file = folder / WEIGHTS_FILE
     if not file.is_file():
         return {}
@@ -163,11 +158,12 @@ def _layout(folder: Path) -> dict | None:
     layout = _metadata_json(folder, METADATA_KEY)
     well_formed = isinstance(layout, dict) and all(
         isinstance(entry, dict) and isinstance(entry.get("format"), str) and isinstance(entry.get("shape"), list)
-        and len(entry["shape"]) == 2 and all(isinstance(n, int) for n in entry["shape"]) for entry in layout.values())
+        and len(entry["shape"]) == 2 and all(isinstance(n, int) for n in entry["shape"])
+        and isinstance(entry.get("options", {}), dict) for entry in layout.values())
     if layout is not None and not well_formed:
         raise CheckpointError(f"{folder / WEIGHTS_FILE} has malformed {METADATA_KEY} metadata (expected "
-                              '{"<projection>": {"format": ..., "shape": [rows, cols]}, ...}): the compressed '
-                              "checkpoint is damaged")
+                              '{"<projection>": {"format": ..., "shape": [rows, cols], "options": {...}}, ...}): '
+                              "the compressed checkpoint is damaged")
     return layout
 
 
@@ -185,7 +181,7 @@ def holds_random_weights(folder: str | Path) -> bool:
     return flag
 
 
-def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str], where: str,
+def fill_model(model: nn.Module, formats: dict[str, WeightFormat], read, names: set[str], where: str,
           dtype: torch.dtype, device: torch.device | str, progress: bool = False, checked: bool = False) -> nn.Module:
     """Swap in `formats` (built on meta), allocate the model once, then copy every tensor from
     `read(name)`; `names` must be exactly the tensors the model holds. The formats' buffers are
@@ -223,15 +219,13 @@ def _fill(model: nn.Module, formats: dict[str, nn.Module], read, names: set[str]
 def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, device: torch.device | str,
                     progress: bool = False) -> nn.Module:
     """Fill a meta-built Transformer from a folder written by `save_compressed`."""
-    from ..checkpoint import open_safetensors
-
     folder = Path(folder)
     layout = _layout(folder)
     if layout is None:
         raise CheckpointError(f"{folder} is not a minfer compressed checkpoint (no {METADATA_KEY} metadata)")
     file = folder / WEIGHTS_FILE
-    with ExitStack() as stack:
-        f = stack.enter_context(open_safetensors(file))
+    with open_safetensors(file) as f:
+        names = set(f.keys())
         formats = {}
         for name, linear in model.projections():
             entry = layout.get(name)
@@ -240,113 +234,27 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
             if tuple(entry["shape"]) != linear.fmt.shape:
                 raise CheckpointError(f"{name} in {file} has shape {tuple(entry['shape'])}, "
                                       f"expected {linear.fmt.shape}")
-            if entry["format"] == MackoWeight.name:
-                values_key = f"{name}.fmt.values"
-                if values_key not in f.keys():
-                    raise CheckpointError(f"{file} has no tensor {values_key}; the compressed folder is incomplete")
-                values_shape = f.get_slice(values_key).get_shape()
-                if len(values_shape) != 1 or values_shape[0] % 8:
-                    raise CheckpointError(f"tensor {values_key} in {file} has shape {tuple(values_shape)}; MACKO "
-                                          "values are 1-D with a multiple of 8 entries: the file is damaged")
-                deltas_key = f"{name}.fmt.deltas"
-                deltas_shape = f.get_slice(deltas_key).get_shape() if deltas_key in f.keys() else None
-                if deltas_shape is not None and deltas_shape != [values_shape[0] // 2]:
-                    raise CheckpointError(f"{values_key} ({values_shape[0]} entries) and {deltas_key} (shape "
-                                          f"{tuple(deltas_shape)}) in {file} disagree: MACKO stores one nibble "
-                                          "per value; the file is damaged")
-                formats[name] = MackoWeight.empty(linear.fmt.shape, values_shape[0], dtype, "meta")
-            elif entry["format"] != DenseWeight.name:
-                known = ", ".join(sorted(FORMATS))
-                raise CheckpointError(f"{name} in {file} uses format {entry['format']!r}; loadable: {known}")
-        return _fill(model, formats, f.get_tensor, set(f.keys()), str(file), dtype, device, progress)
+            try:
+                cls = format_class(entry["format"])
+            except FormatError:
+                raise CheckpointError(f"{name} in {file} uses format {entry['format']!r}; loadable: "
+                                      f"{', '.join(format_choices())}") from None
+            prefix = f"{name}.fmt."
+            stored = {key.removeprefix(prefix): _meta_tensor(f, key, dtype, str(file))
+                      for key in names if key.startswith(prefix)}
+            try:
+                formats[name] = cls.from_tensors(stored, linear.fmt.shape, entry.get("options", {}))
+            except FormatError as exc:
+                raise CheckpointError(f"{name} in {file}: {exc}; the compressed folder is damaged") from None
+        return fill_model(model, formats, f.get_tensor, names, str(file), dtype, device, progress)
 
 
-def _reference_tensors(file: Path) -> dict[str, torch.Tensor | int]:
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            return dict(load_file(str(file)))
-        except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-            raise CheckpointError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from None
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise CheckpointError(f"{file} is not a macko_spmv compressed checkpoint readable without pickle code "
-                              f"execution ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{file} holds a {type(state).__name__}, not a dict of tensors")
-    return state
-
-
-def _reference_size(value, key: str, file: Path) -> int:
-    """A matrix size stored by the reference compressor: an int, or a one-element integer tensor."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
-            and value.dtype != torch.bool:
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise CheckpointError(f"{key} in {file} must be an integer (the matrix's rows or columns), got {str(value)[:40]!r}")
-
-
-def load_reference_macko(model: nn.Module, file: str | Path, dtype: torch.dtype,
-                         device: torch.device | str, progress: bool = False) -> nn.Module:
-    """Fill a meta-built Transformer from the reference tool's compressed checkpoint: its q/k/v and
-    gate/up matrices are stacked into minfer's fused projections (concatenating MACKO rows equals
-    compressing the stacked matrix), everything else is copied by HF name."""
-    from ..checkpoint import hf_tensor_map
-
-    file = Path(file)
-    state = _reference_tensors(file)
-    layout = hf_tensor_map(model.config)
-    parts: dict[str, list] = {}
-    for hf_name, (target, row, shape) in layout.items():
-        if not target.endswith(".fmt.weight") or target.startswith("lm_head"):
-            continue
-        keys = [hf_name.removesuffix("weight") + f"c_{i}" for i in range(5)]
-        if any(k not in state for k in keys):
-            raise CheckpointError(f"{file} lacks {next(k for k in keys if k not in state)}; the reference "
-                                  "compressor stores <name>.c_0 ... .c_4 for every attention and MLP weight")
-        rows, cols = (_reference_size(state[k], k, file) for k in keys[3:])
-        if (rows, cols) != shape:
-            raise CheckpointError(f"{keys[0]} in {file} is {rows}x{cols}, expected {shape[0]}x{shape[1]}")
-        arrays = [state[k] for k in keys[:3]]
-        if not all(isinstance(a, torch.Tensor) for a in arrays):
-            raise CheckpointError(f"{keys[0]} .. {keys[2]} in {file} must be tensors (values, deltas, row_ptr)")
-        try:
-            check_macko_arrays(*arrays, cols)
-        except FormatError as exc:
-            raise CheckpointError(f"{keys[0]} .. {keys[2]} in {file}: {exc}") from None
-        parts.setdefault(target.removesuffix(".weight"), []).append((row, arrays))
-    formats = {}
-    fused: dict[str, tuple[torch.Tensor, ...]] = {}
-    for fmt_name, pieces in tqdm(parts.items(), desc="stacking q/k/v and gate/up rows", unit="matrix",
-                                 disable=not progress):
-        arrays = concat_rows([tuple(p) for _, p in sorted(pieces, key=lambda item: item[0])])
-        fused[fmt_name] = arrays
-        name = fmt_name.removesuffix(".fmt")
-        shape = dict(model.projections())[name].fmt.shape
-        formats[name] = MackoWeight.empty(shape, arrays[0].numel(), dtype, "meta")
-    names = {f"{n}.{b}" for n in fused for b in ("values", "deltas", "row_ptr")}
-    dense = {target: hf_name for hf_name, (target, _, _) in layout.items() if not target.endswith(".fmt.weight")
-             or target.startswith("lm_head")}
-    for hf_name in sorted(dense.values()):
-        if not isinstance(state.get(hf_name), torch.Tensor):
-            what = "lacks" if hf_name not in state else "holds no tensor under"
-            raise CheckpointError(f"{file} {what} {hf_name}; the reference compressor keeps every tensor it does "
-                                  "not compress (embeddings, norms, lm_head) under its HF name")
-
-    def read(name: str) -> torch.Tensor:
-        if name in dense:
-            return state[dense[name]]
-        fmt_name, buffer = name.rsplit(".", 1)
-        return fused[fmt_name][("values", "deltas", "row_ptr").index(buffer)]
-
-    return _fill(model, formats, read, names | set(dense), str(file), dtype, device, progress, checked=True)
-
-
-# Bytes per element of safetensors' non-float dtypes (floats are counted at the loading dtype).
-_STORED_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8}
+def _meta_tensor(handle, name: str, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """Tensor `name` of the open file as the loaded model will hold it, on the meta device: floats in
+    `dtype`, anything else as stored."""
+    stored = stored_dtype(handle, name, where)
+    return torch.empty(handle.get_slice(name).get_shape(), dtype=dtype if stored.is_floating_point else stored,
+                       device="meta")
 
 
 def stored_weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
@@ -354,8 +262,6 @@ def stored_weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
     loaded in `dtype`: float tensors at dtype's size, the rest (deltas, row_ptr) as stored. Read
     from the safetensors header; a torch.save file is not opened: its size stands in, scaled for a
     dtype wider than its fp16 values."""
-    from ..checkpoint import open_safetensors
-
     path = Path(path)
     file = path / WEIGHTS_FILE if path.is_dir() else path
     if file.suffix != ".safetensors":
@@ -364,5 +270,6 @@ def stored_weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
     with open_safetensors(file) as f:
         for name in f.keys():
             tensor = f.get_slice(name)
-            total += math.prod(tensor.get_shape()) * _STORED_BYTES.get(tensor.get_dtype(), dtype.itemsize)
+            stored = DTYPES.get(tensor.get_dtype(), dtype)
+            total += math.prod(tensor.get_shape()) * (dtype if stored.is_floating_point else stored).itemsize
     return total

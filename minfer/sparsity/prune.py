@@ -19,7 +19,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..corpus import corpus_lines
 from ..errors import MinferError
+from ..formats import DenseWeight
+from ..model import Linear
 
 METHODS = ("magnitude", "wanda")
 
@@ -58,8 +61,6 @@ def wanda_score(weight: torch.Tensor, input_norm: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_weight(linear: nn.Module, name: str) -> torch.Tensor:
-    from ..formats import DenseWeight
-
     if not isinstance(linear.fmt, DenseWeight):
         raise MinferError(f"{name} is already stored as {linear.fmt.name}: pruning works on dense weights, so "
                           "start from the dense checkpoint (a compressed model is pruned already)")
@@ -88,8 +89,6 @@ def prune_model_(model: nn.Module, density: float, method: str = "magnitude",
 
 
 def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_size: int, progress: bool) -> None:
-    from ..model import Linear
-
     device = model.norm.weight.device
     seq_len = tokens.shape[1]
     model.setup_caches(batch_size, seq_len)
@@ -141,8 +140,6 @@ def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | P
             raise MinferError(f"calibration text {path} is not UTF-8 text (byte {exc.start}: "
                               f"{exc.object[exc.start:exc.start + 1]!r}); pass a UTF-8 text file") from None
     else:
-        from ..demo import corpus_lines
-
         text = "\n".join(corpus_lines())
     ids = tokenizer.encode(text, bos=False)
     if len(ids) < samples * seq_len:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 
@@ -23,26 +22,19 @@ class BlockReport:
         return self.nonzeros / max(self.elements, 1)
 
 
-def _nonzeros(fmt: nn.Module) -> int:
-    counter = getattr(fmt, "nonzeros", None)
-    return counter() if counter is not None else int(torch.count_nonzero(fmt.to_dense()))
-
-
 def block_reports(model: nn.Module) -> list[BlockReport]:
+    """Each block's projections summed, from their formats' `stats()`."""
     reports: dict[int, BlockReport] = {}
     for name, linear in model.projections():
-        fmt = linear.fmt
+        stats = linear.fmt.stats()
         block = int(name.split(".")[1])
         report = reports.setdefault(block, BlockReport(block, 0, 0, 0, 0, 0, 0))
-        rows, cols = fmt.shape
-        dense_bytes = rows * cols * next(fmt.buffers()).element_size()
-        report.nonzeros += _nonzeros(fmt)
-        report.elements += rows * cols
-        report.dense_bytes += dense_bytes
-        report.stored_bytes += fmt.nbytes
-        larger_rows = getattr(fmt, "rows_larger_than_dense", None)
-        report.rows_larger_than_dense += larger_rows() if larger_rows is not None else 0
-        report.matrices_larger_than_dense += fmt.nbytes > dense_bytes
+        report.nonzeros += stats.nonzeros
+        report.elements += stats.elements
+        report.dense_bytes += stats.dense_bytes
+        report.stored_bytes += stats.stored_bytes
+        report.rows_larger_than_dense += stats.rows_larger_than_dense
+        report.matrices_larger_than_dense += stats.stored_bytes > stats.dense_bytes
     return [reports[b] for b in sorted(reports)]
 
 
