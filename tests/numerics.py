@@ -39,3 +39,36 @@ def random_linear_problem(rows: int, n: int, k: int, dtype: torch.dtype, device=
     w = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
     out = torch.full((rows, n), float("nan"), device=device, dtype=dtype)
     return x, w, out
+
+
+def sparse_matrix(rows, cols, density, dtype=torch.float16, seed=0, uneven=False):
+    """Random matrix with Bernoulli(density) support; `uneven` gives every row its own density."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    matrix = torch.randn(rows, cols, device="cuda", generator=generator)
+    keep = density
+    if uneven:
+        keep = torch.rand(rows, 1, device="cuda", generator=generator) * density * 2
+    matrix[torch.rand(rows, cols, device="cuda", generator=generator) >= keep] = 0
+    return matrix.to(dtype)
+
+
+def relative_difference(out, expected):
+    return ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def relative_error(out, matrix, x):
+    return relative_difference(out, x.double() @ matrix.double().T)
+
+
+def assert_graph_replays_read_new_inputs(product, matrix, x, out):
+    """`product()` (x -> out) captured in a CUDA graph after a warm-up gives W x for new x at each replay."""
+    product()  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        product()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, matrix, x) < 2e-3

@@ -3,6 +3,8 @@ the MACKO study app (GPU)."""
 
 import argparse
 import json
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from minfer.bench import e2e_suite, kernel_suite, macko_suite, report, timing
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int
 from minfer.errors import MinferError
 from tests.conftest import requires_cuda
-from tests.test_cli import load_app
+from tests.helpers import load_app
 
 BENCHMARK_APP = Path(__file__).resolve().parent.parent / "apps" / "benchmark.py"
 
@@ -53,9 +55,19 @@ def test_table_json_and_plot(tmp_path, capsys):
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_environment_names_the_commit():
+def test_environment_names_the_commit(monkeypatch):
+    """The commit of the checkout (HEAD, "-dirty" with local edits), or $MINFER_COMMIT for a copied tree."""
+    monkeypatch.delenv("MINFER_COMMIT", raising=False)
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=report.REPO_ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no git, or this tree is a copy without .git: the commit can only come from $MINFER_COMMIT")
     env = report.environment()
-    assert env["commit"] and env["torch"] == torch.__version__
+    assert re.fullmatch(re.escape(head) + "(-dirty)?", env["commit"]), env["commit"]
+    assert env["torch"] == torch.__version__
+    monkeypatch.setenv("MINFER_COMMIT", "0123abc")
+    assert report.environment()["commit"] == "0123abc"
 
 
 def test_density_and_shape_arguments():

@@ -7,6 +7,7 @@ from minfer import ops
 from minfer.formats import macko as macko_format
 from minfer.formats.macko import MackoWeight, compress
 from tests.conftest import requires_cuda
+from tests.numerics import assert_graph_replays_read_new_inputs, relative_difference, relative_error, sparse_matrix
 
 pytestmark = requires_cuda
 
@@ -14,25 +15,6 @@ DENSITIES = [0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
 TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1)
            for s in (1, 2) for w in (4, 8, 16) for m in (0, 1)]
 TUNINGS.append(dict(steps=1, warps_per_block=16, x_in_smem=0, pipeline=0))  # the reference kernel's schedule
-
-
-def sparse_matrix(rows, cols, density, dtype=torch.float16, seed=0, uneven=False):
-    """Random matrix with Bernoulli(density) support; `uneven` gives every row its own density."""
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    matrix = torch.randn(rows, cols, device="cuda", generator=generator)
-    keep = density
-    if uneven:
-        keep = torch.rand(rows, 1, device="cuda", generator=generator) * density * 2
-    matrix[torch.rand(rows, cols, device="cuda", generator=generator) >= keep] = 0
-    return matrix.to(dtype)
-
-
-def relative_difference(out, expected):
-    return ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def relative_error(out, matrix, x):
-    return relative_difference(out, x.double() @ matrix.double().T)
 
 
 def run_spmv(matrix, tokens, **tuning):
@@ -220,20 +202,6 @@ def test_opcheck():
                           (values, deltas, row_ptr, x[:1], out.new_empty(1, 20), g, 1e-5, 0, 0, -1, 1, False, True))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
-
-
-def assert_graph_replays_read_new_inputs(product, matrix, x, out):
-    """`product()` (x -> out) captured in a CUDA graph after a warm-up gives W x for new x at each replay."""
-    product()  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        product()
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert relative_error(out, matrix, x) < 2e-3
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 16])

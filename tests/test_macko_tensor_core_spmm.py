@@ -7,8 +7,7 @@ import torch
 from minfer import ops
 from minfer.formats.macko import MackoWeight, compress
 from tests.conftest import requires_cuda
-from tests.test_macko_kernels import (assert_graph_replays_read_new_inputs, relative_difference, relative_error,
-                                     sparse_matrix)
+from tests.numerics import assert_graph_replays_read_new_inputs, relative_difference, relative_error, sparse_matrix
 
 WINDOW = ops.MACKO_WINDOW_COLS
 
