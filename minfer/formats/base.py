@@ -94,7 +94,8 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
         return y if residual is None else residual.add_(y)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Name -> tensor: what a compressed checkpoint stores of this matrix (its buffers)."""
+        """Name -> tensor: what a compressed checkpoint stores of this matrix. These are its buffers, under
+        their names, since a loader fills the buffers of a `from_tensors` instance in place."""
         return dict(self.named_buffers())
 
     def options(self) -> dict:
