@@ -49,9 +49,9 @@ def test_readme_holds_the_two_commands_in_one_block():
 
 
 def test_readme_commands_in_a_clean_shell(tmp_path):
-    if clean_shell("python3 -m uv --version").returncode != 0:
-        pytest.skip("python3 -m uv does not work in a clean shell here (the GPU machine runs without uv or a "
-                    "package index); CI runs this test after setup.sh installed it")
+    if not (ROOT / ".venv").is_dir():
+        pytest.skip("no .venv: run ./setup.sh first (CI does; the GPU machine, without uv or a package index, "
+                    "cannot); this test reruns the commands in a clean shell against the environment it made")
     generate, run_tests = readme_commands()
 
     demo = clean_shell(generate)
@@ -78,6 +78,4 @@ def test_readme_python_example_runs_on_the_cpu(tmp_path):
     result = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=environment, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    printed = result.stdout.strip().splitlines()
-    assert len(printed) >= 2 and printed[0].strip(), result.stdout  # the dense text, then the pruned one
-    assert re.search(r" \d+\.\d+$", printed[-1]), result.stdout  # ends with the decode speed
+    assert re.fullmatch(r"(.|\n)+\n\d+ tokens at \d+\.\d tok/s\n", result.stdout), result.stdout
