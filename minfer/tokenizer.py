@@ -17,7 +17,7 @@ _INCOMPLETE = "\ufffd"  # what a decoder emits for the bytes of a character that
 
 
 def bundled_tokenizer_path() -> Path:
-    """The sentencepiece model trained on data/corpus by `python -m minfer.demo --tokenizer`."""
+    """The sentencepiece model trained on minfer/data/corpus by `python -m minfer.demo --tokenizer`."""
     return BUNDLED_TOKENIZER
 
 

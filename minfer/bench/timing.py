@@ -19,11 +19,11 @@ def rotation_count(bytes_per_call: int, l2_multiple: float = 4.0, max_copies: in
 
 # Untimed calls before timing. On an H100 a freshly built 32000x4096 MACKO matrix ran its first ~30
 # back-to-back calls per copy (~5 ms) 15% slower than every later one, whatever the idle time before
-# them (docs/perf-notes.md, session 24); the 3 replays used before timed that slow start.
+# them (docs/perf-notes.md, the 2026-11-24 b255d11 entry); the 3 replays used before timed that slow start.
 WARMUP_MS = 25.0
 WARMUP_CALLS = 50
 # Each timed replay holds at least this much work: the events around a replay also time the graph's
-# launch, a few microseconds, which was ~7% of a 4096x11008 SpMV timed over 4 calls (session 24).
+# launch, a few microseconds, which was ~7% of a 4096x11008 SpMV timed over 4 calls (same entry).
 MIN_REPLAY_MS = 0.5
 
 

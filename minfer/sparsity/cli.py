@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how --density prunes: |w| (magnitude, the default) or |w| * ||x|| over "
                             "calibration text (wanda)")
     group.add_argument("--calib-text", default=None, metavar="FILE",
-                       help="wanda calibration text (default: the small corpus shipped in data/corpus)")
+                       help="wanda calibration text (default: the small corpus shipped in minfer/data/corpus)")
     group.add_argument("--calib-samples", type=int, default=None, metavar="N",
                        help=f"wanda samples (default: {CALIB_SAMPLES})")
     group.add_argument("--calib-seq-len", type=int, default=None, metavar="L",

@@ -126,7 +126,7 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
 
 def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | Path | None = None) -> torch.Tensor:
     """[samples, seq_len] token ids: consecutive windows of the text in `text_file`, or of the
-    small corpus shipped in data/corpus when none is given (no dataset downloads)."""
+    small corpus shipped in minfer/data/corpus when none is given (no dataset downloads)."""
     if samples < 1 or seq_len < 1:
         raise MinferError(f"wanda calibration needs at least 1 sample of at least 1 token, got --calib-samples "
                           f"{samples} and --calib-seq-len {seq_len}")
