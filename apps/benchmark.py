@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
+from minfer.app_io import ArgumentParser, run_main  # noqa: E402
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
@@ -41,9 +42,9 @@ DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens"
 E2E_SUITES = ("e2e", "macko-e2e", "all")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="apps/benchmark.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "all"), default="all",
                         help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
                              "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
@@ -214,4 +215,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
+from minfer.app_io import ArgumentParser, run_main  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402
 from minfer.bench.cases_macko import DENSITIES as MACKO_CASE_DENSITIES  # noqa: E402
@@ -40,9 +41,9 @@ DECODE_DENSITY = 0.5
 TIMELINE_STEPS = 32
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="apps/profile.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="apps/profile.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default=DECODE, choices=[*kernel_suite.registered_ops(), DECODE],
                         help="a kernel from the benchmark registry, or one decode step of --model (default)")
     parser.add_argument("--shapes", type=csv_list, default=None,
@@ -222,4 +223,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
