@@ -100,7 +100,7 @@ def check_e2e_model(args: argparse.Namespace) -> None:
 def check_output_path(flag: str, path: str) -> str:
     """`path` with ~ expanded. A missing folder is made now; one that cannot be written fails now, not
     after the run."""
-    path = str(Path(path).expanduser())
+    path = os.path.expanduser(path)
     folder = Path(path).resolve().parent
     try:
         folder.mkdir(parents=True, exist_ok=True)

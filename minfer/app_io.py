@@ -26,7 +26,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:
-    """sys.exit(main()); when stdout or stderr is a pipe its reader closed, exit quietly instead."""
+    """sys.exit(main()); when stdout or stderr is a pipe its reader closed, exit quietly instead.
+    Characters the output's encoding cannot show (PYTHONIOENCODING=ascii, a latin-1 terminal) print
+    as ? rather than ending the run."""
+    sys.stdout.reconfigure(errors="replace")
     try:
         try:
             code = main()

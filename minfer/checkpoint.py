@@ -69,7 +69,7 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     if model in ALIASES and weights == "random":
         return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None, bundled_tokenizer_path(),
                              is_random=True)
-    local = Path(model).expanduser()
+    local = Path(os.path.expanduser(model))  # os.path's leaves ~nosuchuser as it is; Path's raises
     if local.is_dir():
         folder = local
     elif model in ALIASES or _REPO_ID.match(model):

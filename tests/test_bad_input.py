@@ -21,7 +21,13 @@ from minfer.config import ModelConfig
 from minfer.errors import CheckpointError, MinferError
 from minfer.model import Transformer
 from minfer.sampling import SamplingParams
-from minfer.sparsity.compressed import SAVE_MARKER, SAVE_MARKER_TEXT, is_compressed, save_compressed
+from minfer.sparsity.compressed import (
+    SAVE_MARKER,
+    SAVE_MARKER_TEXT,
+    check_save_target,
+    is_compressed,
+    save_compressed,
+)
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
 from tests.test_cli import APP, NO_GPU, PROFILE_APP, assert_input_error, load_app, tiny_random_model
 
@@ -146,6 +152,20 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_loading(generate_ap
     shutil.copyfile(bundled_tokenizer_path(), folder / "tokenizer.model")
     refused(generate_app, capsys, tmp_path, ["--model", str(folder)], "must lie in [0, 97)",
             "the tokenizer does not match")
+
+
+def test_an_unknown_users_home_is_a_missing_path_not_a_crash(generate_app, capsys, tmp_path):
+    """Path.expanduser raises for ~nosuchuser; the shell, and minfer, leave it as it is."""
+    refused(generate_app, capsys, tmp_path, ["--model", "~no-such-user-of-minfer/model"],
+            "~no-such-user-of-minfer/model is not a directory")
+    assert check_save_target("~no-such-user-of-minfer/saved") == Path("~no-such-user-of-minfer/saved")
+
+
+def test_output_the_terminal_cannot_encode_is_replaced(sharded):
+    result = subprocess.run([sys.executable, str(APP), "--model", str(sharded), "--device", "cpu", "--prompt", "café",
+                             "--max-new-tokens", "2"], capture_output=True, timeout=300,
+                            env=os.environ | {"PYTHONIOENCODING": "ascii", "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0 and result.stdout.startswith(b"caf?"), result.stderr
 
 
 def test_a_folder_given_as_the_tokenizer_is_named(tmp_path):

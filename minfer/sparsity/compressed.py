@@ -52,7 +52,7 @@ def check_save_target(folder: str | Path, create: bool = False) -> Path:
     folder other than an earlier compressed save (another model's files would be overwritten or
     left beside these); `create` makes a missing folder (a check alone makes nothing, so a run that
     fails later leaves no empty folder behind)."""
-    folder = Path(folder).expanduser()
+    folder = Path(os.path.expanduser(folder))  # os.path's leaves ~nosuchuser as it is; Path's raises
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a folder to write the model into")
     if not folder.exists():
