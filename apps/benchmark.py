@@ -15,6 +15,9 @@ the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, 
 speed and peak memory against dense (beside other suites its plot goes next to --plot, suffixed
 -macko-e2e). The macko suite is the MACKO kernel study of minfer.bench.macko_suite without its
 launch sweep.
+
+Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
+went away (e.g. `| head`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ Examples:
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
 A local folder with config.json, *.safetensors and tokenizer.model works offline.
+
+Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
+went away (e.g. `| head`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator, check_prompt_ids  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
 from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
-from minfer.sampling import SamplingParams  # noqa: E402
+from minfer.sampling import MIN_TEMPERATURE, SamplingParams  # noqa: E402
 from minfer.sparsity import cli as sparsity_cli  # noqa: E402
 from minfer.sparsity.report import report_summary  # noqa: E402
 from minfer.tokenizer import IncrementalDecoder, Tokenizer, require_utf8  # noqa: E402
@@ -80,10 +83,12 @@ def build_parser() -> ArgumentParser:
     text.add_argument("--chat", action="store_true",
                       help="wrap the prompt in the Llama-2 chat template ([INST] ... [/INST])")
     text.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: %(default)s")
-    text.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    text.add_argument("--temperature", type=float, default=0.0,
+                      help=f"0 = greedy, else at least {MIN_TEMPERATURE} (default: %(default)s)")
     text.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
     text.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0, off)")
-    text.add_argument("--seed", type=int, default=0, help="seeds sampling and random weights (default: %(default)s)")
+    text.add_argument("--seed", type=int, default=0,
+                      help="seeds sampling and random weights, 0 to 2**64 - 1 (default: %(default)s)")
     text.add_argument("--json", action="store_true",
                       help="print one JSON object (prompt ids, generated ids, text, stats) instead of streaming")
     return parser

@@ -17,6 +17,9 @@ so the plain `ncu --set full python apps/profile.py` profiles the region only (n
 cudaProfilerStop while it profiles from the start; it would otherwise replay each of the hundreds
 of kernels that fill the random weights). `--baseline` also runs each case's vendor baseline in its
 own range ("baseline: ...") for a side-by-side report.
+
+Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
+went away (e.g. `| head`).
 """
 
 from __future__ import annotations
