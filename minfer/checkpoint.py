@@ -136,7 +136,7 @@ def download(repo_id: str, with_weights: bool) -> Path:
 
 def weight_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> safetensors file, from the shard index or the single model.safetensors; every
-    file inside `folder` (checked by inside_folder)."""
+    file inside `folder` (_inside_folder)."""
     index = folder / INDEX_FILE
     if index.is_file():
         weight_map = _weight_map(index)
