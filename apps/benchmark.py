@@ -15,6 +15,9 @@ the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, 
 speed and peak memory against dense (beside other suites its plot goes next to --plot, suffixed
 -macko-e2e). The macko suite is the MACKO kernel study of minfer.bench.macko_suite without its
 launch sweep.
+
+Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
+went away (e.g. `| head`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
+from minfer.app_io import ArgumentParser, run_main  # noqa: E402
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
@@ -41,9 +45,9 @@ DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens"
 E2E_SUITES = ("e2e", "macko-e2e", "all")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="apps/benchmark.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "all"), default="all",
                         help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
                              "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
@@ -99,7 +103,7 @@ def check_e2e_model(args: argparse.Namespace) -> None:
 def check_output_path(flag: str, path: str) -> str:
     """`path` with ~ expanded. A missing folder is made now; one that cannot be written fails now, not
     after the run."""
-    path = str(Path(path).expanduser())
+    path = os.path.expanduser(path)
     folder = Path(path).resolve().parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -214,4 +218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

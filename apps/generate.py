@@ -16,6 +16,9 @@ Examples:
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
 A local folder with config.json, *.safetensors and tokenizer.model works offline.
+
+Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
+went away (e.g. `| head`).
 """
 
 from __future__ import annotations
@@ -30,31 +33,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer import formats, ops  # noqa: E402
+from minfer.app_io import ArgumentParser, run_main  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
 from minfer.config import ALIASES  # noqa: E402
 from minfer.demo import DEMO_NAME  # noqa: E402
 from minfer.errors import MinferError  # noqa: E402
-from minfer.generate import Generator  # noqa: E402
+from minfer.generate import Generator, check_prompt_ids  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
 from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
-from minfer.sampling import SamplingParams  # noqa: E402
+from minfer.sampling import MIN_TEMPERATURE, SamplingParams  # noqa: E402
 from minfer.sparsity import cli as sparsity_cli  # noqa: E402
 from minfer.sparsity.report import report_summary  # noqa: E402
-from minfer.tokenizer import IncrementalDecoder, Tokenizer  # noqa: E402
+from minfer.tokenizer import IncrementalDecoder, Tokenizer, require_utf8  # noqa: E402
 
 DEFAULT_PROMPT = "The harbour town wakes before the sun does."
 REAL_MODEL_HINT = ("for real text run a trained model, e.g. --model tinyllama-1.1b (about 2.2 GB, no login), "
                    "--model llama2-7b-chat --chat with HF_TOKEN set, or --model /path/to/hf-checkpoint")
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """Bad flags: one line on stderr and exit code 2, like every other input error."""
-        self.exit(2, f"error: {message} (see --help)\n")
-
-
-def build_parser() -> Parser:
-    parser = Parser(prog="apps/generate.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="apps/generate.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, metavar="NAME",
                        help=f"alias ({', '.join(ALIASES)}), HF repo id (owner/name) or local folder "
@@ -84,10 +83,12 @@ def build_parser() -> Parser:
     text.add_argument("--chat", action="store_true",
                       help="wrap the prompt in the Llama-2 chat template ([INST] ... [/INST])")
     text.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: %(default)s")
-    text.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    text.add_argument("--temperature", type=float, default=0.0,
+                      help=f"0 = greedy, else at least {MIN_TEMPERATURE} (default: %(default)s)")
     text.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens")
     text.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default: 1.0, off)")
-    text.add_argument("--seed", type=int, default=0, help="seeds sampling and random weights (default: %(default)s)")
+    text.add_argument("--seed", type=int, default=0,
+                      help="seeds sampling and random weights, 0 to 2**64 - 1 (default: %(default)s)")
     text.add_argument("--json", action="store_true",
                       help="print one JSON object (prompt ids, generated ids, text, stats) instead of streaming")
     return parser
@@ -98,6 +99,7 @@ def note(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_utf8(args.prompt, "--prompt")
     ops.set_backend(args.backend)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -111,11 +113,14 @@ def run(args: argparse.Namespace) -> int:
     config = resolved.config
     tokenizer = Tokenizer(resolved.tokenizer_path)
     prompt_ids = tokenizer.chat_prompt(args.prompt) if args.chat else tokenizer.encode(args.prompt)
+    check_prompt_ids(prompt_ids, config.vocab_size)
     calibration_ids = sparsity_cli.calibration(args, tokenizer, config)
 
     max_seq_len = context_length(config, args.max_seq_len, len(prompt_ids))
     check_memory(config, dtype, device, max_seq_len, sparsity_cli.stored_weight_bytes(args, resolved, dtype))
 
+    model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
+    # The header only once the weights loaded: an error while loading stays the one line on stderr.
     dtype_name = str(dtype).removeprefix("torch.")
     params_count = config.param_count()
     size = f"{params_count / 1e9:.2f}B" if params_count >= 1e9 else f"{params_count / 1e6:.1f}M"
@@ -131,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
         if config.vocab_size > tokenizer.vocab_size:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
-    model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
     sparsity = sparsity_cli.apply(model, args, calibration_ids, resolved.tokenizer_path, note, resolved.is_random)
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
@@ -189,4 +193,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -17,6 +17,9 @@ so the plain `ncu --set full python apps/profile.py` profiles the region only (n
 cudaProfilerStop while it profiles from the start; it would otherwise replay each of the hundreds
 of kernels that fill the random weights). `--baseline` also runs each case's vendor baseline in its
 own range ("baseline: ...") for a side-by-side report.
+
+Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
+went away (e.g. `| head`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.bench import decode_timeline as timeline  # noqa: E402
+from minfer.app_io import ArgumentParser, run_main  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402
 from minfer.bench.e2e_suite import build_model  # noqa: E402
@@ -46,9 +50,9 @@ DECODE_DENSITY = 0.5
 TIMELINE_STEPS = 32
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="apps/profile.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="apps/profile.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default=DECODE, choices=[*kernel_suite.registered_ops(), DECODE],
                         help="a kernel from the benchmark registry, or one decode step of --model (default)")
     parser.add_argument("--shapes", type=csv_list, default=None,
@@ -224,4 +228,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

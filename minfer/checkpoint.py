@@ -38,6 +38,8 @@ INIT_STD = 0.02  # HF's initializer_range for Llama
 # Buffers some older checkpoints carry; minfer recomputes them.
 _IGNORED_TENSORS = re.compile(r".*\.rotary_emb\.inv_freq$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# The safetensors dtypes a weight may be stored in (copied into the model's float dtype).
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
     if model in ALIASES and weights == "random":
         return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None, bundled_tokenizer_path(),
                              is_random=True)
-    local = Path(model).expanduser()
+    local = Path(os.path.expanduser(model))  # os.path's leaves ~nosuchuser as it is; Path's raises
     if local.is_dir():
         folder = local
     elif model in ALIASES or _REPO_ID.match(model):
@@ -167,24 +169,58 @@ def download(repo_id: str, with_weights: bool) -> Path:
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the shard index or the single model.safetensors."""
+    """Tensor name -> safetensors file, from the shard index or the single model.safetensors; every
+    file inside `folder` (_inside_folder)."""
     index = folder / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
-        files = {name: folder / shard for name, shard in weight_map.items()}
-        for shard in sorted(set(files.values())):
-            if not shard.is_file():
-                raise CheckpointError(f"shard {shard.name} listed in {INDEX_FILE} is missing from {folder}")
-        return files
-    single = folder / SINGLE_FILE
+        weight_map = _weight_map(index)
+        shards = {shard: _inside_folder(folder, shard, f"{INDEX_FILE} names the shard") for shard in
+                  set(weight_map.values())}
+        for shard, path in sorted(shards.items()):
+            if not path.is_file():
+                raise CheckpointError(f"shard {shard} listed in {INDEX_FILE} is missing from {folder}")
+        return {name: shards[shard] for name, shard in weight_map.items()}
+    single = _inside_folder(folder, SINGLE_FILE, "the weights file")
     if single.is_file():
         with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}; minfer loads safetensors only "
                           "(never pickle .bin files)")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index} is not a valid safetensors index: its weight_map is a "
+                              f"{type(weight_map).__name__}, not an object mapping tensor names to shard files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index} is not a valid safetensors index: it maps tensor {name} to {shard!r}, "
+                                  "not a shard file name")
+    return weight_map
+
+
+def _inside_folder(folder: Path, name: str, what: str) -> Path:
+    """folder / name, refused unless it stays inside `folder`: no absolute path, no `..`, no link that
+    leads out. The one exception is the Hugging Face cache, whose snapshot folders link every file
+    to the repo's own blobs folder beside them."""
+    path = folder / name
+    real_folder = folder.resolve()
+    roots = [real_folder]
+    if real_folder.parent.name == "snapshots":  # <cache>/models--owner--name/snapshots/<revision>
+        roots.append(real_folder.parent.parent / "blobs")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(f"{what} {name}, which is outside {folder}; minfer reads only files inside the "
+                              "checkpoint folder")
+    real = path.resolve()
+    if not any(real.is_relative_to(root) for root in roots):
+        raise CheckpointError(f"{what} {name} in {folder}, a link to {real} outside that folder; minfer reads only "
+                              "files inside the checkpoint folder (copy the file in instead of linking it)")
+    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,10 +308,18 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
 
     with ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in sorted({files[n] for n in layout})}
+        held = {file: set(handle.keys()) for file, handle in handles.items()}
         for name, (_, _, shape) in layout.items():
-            stored = tuple(handles[files[name]].get_slice(name).get_shape())
-            if stored != shape:
-                raise CheckpointError(f"tensor {name} in {files[name].name} has shape {stored}, expected {shape}")
+            file = files[name]
+            if name not in held[file]:
+                raise CheckpointError(f"{INDEX_FILE} in {folder} lists tensor {name} in {file.name}, which lacks it")
+            stored = handles[file].get_slice(name)
+            if tuple(stored.get_shape()) != shape:
+                raise CheckpointError(f"tensor {name} in {file.name} has shape {tuple(stored.get_shape())}, "
+                                      f"expected {shape}")
+            if stored.get_dtype() not in _FLOAT_DTYPES:  # integers or booleans would be cast into nonsense weights
+                raise CheckpointError(f"tensor {name} in {file.name} is stored as {stored.get_dtype()}, expected "
+                                      f"float weights ({', '.join(_FLOAT_DTYPES)})")
         targets = _targets(model, dtype, device)
         with torch.no_grad():
             for name, (target, row, shape) in tqdm(layout.items(), desc="loading", unit="tensor", disable=not progress):

@@ -111,7 +111,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> ModelConfig:
         """Parse an HF Llama `config.json` dict (legacy rope_theta/rope_scaling or transformers-5
-        rope_parameters); refuses architectures minfer does not implement."""
+        rope_parameters); refuses architectures minfer does not implement, and values no model has
+        (sizes that are negative or fractional, floats that are not finite and positive), naming the field."""
+        if not isinstance(hf, dict):
+            raise CheckpointError(f"config.json must hold a JSON object of fields, got {type(hf).__name__} "
+                                  f"{_shown(hf)}; is this a Llama checkpoint?")
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
             raise CheckpointError(f"model_type {model_type!r} is not supported; minfer runs Llama-family checkpoints")
@@ -120,28 +124,38 @@ class ModelConfig:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             raise CheckpointError("projection biases are not supported; Llama projections are bias-free")
         try:
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            rope_theta, rope_scaling = _parse_rope(hf)
-            return cls(
-                vocab_size=int(hf["vocab_size"]),
+            hidden, heads = _whole(hf, "hidden_size"), _whole(hf, "num_attention_heads")
+            kv_heads = _whole(hf, "num_key_value_heads", default=heads)
+            head_dim = _whole(hf, "head_dim", default=hidden // heads, minimum=2)
+            vocab, layers, intermediate = (_whole(hf, key) for key in ("vocab_size", "num_hidden_layers",
+                                                                         "intermediate_size"))
+            eos = hf.get("eos_token_id", 2)
+            if isinstance(eos, list) and eos:  # Llama 3.1 instruct lists several; the first ends the text
+                eos = eos[0]
+            config = cls(
+                vocab_size=vocab,
                 hidden_size=hidden,
-                num_layers=int(hf["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                intermediate_size=int(hf["intermediate_size"]),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                bos_token_id=int(hf.get("bos_token_id", 1)),
-                eos_token_id=_first(hf.get("eos_token_id", 2)),
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                intermediate_size=intermediate,
+                rms_norm_eps=_positive_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=_positive_float("rope_theta", _rope_field(hf, "rope_theta", 10000.0)),
+                rope_scaling=_parse_rope_scaling(hf),
+                max_position_embeddings=_whole(hf, "max_position_embeddings", default=2048, minimum=2),
+                tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
+                bos_token_id=_whole(hf, "bos_token_id", default=1, minimum=0),
+                eos_token_id=_whole({"eos_token_id": eos}, "eos_token_id", minimum=0),
             )
         except KeyError as missing:
             raise CheckpointError(f"config.json lacks the field {missing}; is this a Llama checkpoint?") from None
-        except (TypeError, ValueError, ZeroDivisionError) as e:  # null, non-numeric or zero fields
-            raise CheckpointError(f"config.json has a malformed field ({type(e).__name__}: {e})") from None
+        if head_dim % 2:
+            raise CheckpointError(f"config.json has head_dim {head_dim}; rotary embeddings need an even head_dim")
+        if heads % kv_heads:
+            raise CheckpointError(f"config.json has num_attention_heads {heads}, not a multiple of "
+                                  f"num_key_value_heads {kv_heads}: query heads must share key/value heads evenly")
+        return config
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
@@ -150,8 +164,10 @@ class ModelConfig:
                 return cls.from_hf(json.load(f))
         except FileNotFoundError:
             raise CheckpointError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+        except OSError as e:  # a folder named config.json, no permission, ...
+            raise CheckpointError(f"cannot read {path} ({e.strerror})") from None
 
     def to_hf(self) -> dict:
         """The HF `config.json` dict (legacy rope fields, read by every transformers version)."""
@@ -198,26 +214,78 @@ class ModelConfig:
 
 
 
-def _parse_rope(hf: dict) -> tuple[float, dict | None]:
+# Sizes beyond int32 fit no kernel index (and no machine's memory).
+_MAX_SIZE = 2**31 - 1
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _malformed(key: str, wanted: str, value) -> CheckpointError:
+    return CheckpointError(f"config.json has a malformed field: {key} must be {wanted}, got {_shown(value)}")
+
+
+def _whole(fields: dict, key: str, default: int | None = None, minimum: int = 1) -> int:
+    """fields[key] as a whole number in [minimum, _MAX_SIZE]; an absent or null optional field is
+    `default`. 64.0 is 64, while 64.7 is refused rather than truncated."""
+    value = fields[key] if default is None else fields.get(key)
+    value = default if value is None else value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _MAX_SIZE:
+        raise _malformed(key, f"a whole number in [{minimum}, {_MAX_SIZE}]", value)
+    return value
+
+
+def _positive_float(key: str, value) -> float:
+    """A finite number > 0: a zero, negative or NaN eps or rope_theta would make every logit NaN."""
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float range
+            number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise _malformed(key, "a finite number > 0", value)
+    return number
+
+
+def _flag(fields: dict, key: str) -> bool:
+    value = fields.get(key, False)
+    if not isinstance(value, bool):  # bool("false") would be True
+        raise _malformed(key, "true or false", value)
+    return value
+
+
+def _rope_field(hf: dict, key: str, default):
+    """A rope field from transformers-5 rope_parameters, else from the top level."""
     params = hf.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = hf.get("rope_scaling") or params
+    if not isinstance(params, dict):
+        raise _malformed("rope_parameters", "an object", params)
+    return params.get(key, hf.get(key, default))
+
+
+def _parse_rope_scaling(hf: dict) -> dict | None:
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    scaling = hf.get(source) or {}
+    if not isinstance(scaling, dict):
+        raise _malformed(source, "an object", scaling)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return theta, None
+        return None
     if rope_type != "llama3":
         raise CheckpointError(f"rope scaling {rope_type!r} is not supported; minfer implements 'llama3' scaling only")
     missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
     if missing:
         raise CheckpointError(f"llama3 rope scaling lacks {', '.join(missing)} in config.json")
-    values = {k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}
-    values["original_max_position_embeddings"] = int(values["original_max_position_embeddings"])
-    if not math.isfinite(values["factor"]) or values["factor"] < 1.0:
+    values = {key: _positive_float(f"{source}.{key}", scaling[key])
+              for key in ("factor", "low_freq_factor", "high_freq_factor")}
+    if values["factor"] < 1.0:
         raise CheckpointError(f"llama3 rope scaling factor must be >= 1, got {values['factor']}")
-    return theta, {"rope_type": "llama3", **values}
-
-
-def _first(token_id) -> int:
-    """eos_token_id may be a list (Llama 3.1 instruct); the first entry is the end-of-text token."""
-    return int(token_id[0] if isinstance(token_id, (list, tuple)) else token_id)
-
+    if values["high_freq_factor"] <= values["low_freq_factor"]:
+        raise CheckpointError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor in config.json, got "
+                              f"{values['high_freq_factor']} and {values['low_freq_factor']}")
+    key = "original_max_position_embeddings"
+    return {"rope_type": "llama3", **values, key: _whole(scaling, key)}

@@ -1,11 +1,11 @@
-"""The small prose corpus shipped in data/corpus/: the bundled tokenizer's training text and wanda's
+"""The small prose corpus shipped in minfer/data/corpus/: the bundled tokenizer's training text and wanda's
 default calibration text."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-CORPUS_DIR = Path(__file__).resolve().parent.parent / "data" / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parent / "data" / "corpus"
 
 
 def corpus_lines() -> list[str]:

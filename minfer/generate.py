@@ -90,6 +90,15 @@ class _TokenReader:
         return self.times[last] - self.times[0]
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """Refuse an empty prompt and token ids the model has no embedding for (a tokenizer of another
+    model); callers may check before loading the weights."""
+    if not prompt_ids:
+        raise MinferError("the prompt is empty; pass at least one token (e.g. BOS)")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise MinferError(f"prompt token ids must lie in [0, {vocab_size}); the tokenizer does not match the model")
+
+
 class Generator:
     """Runs `model` (batch 1) with a static KV cache of `max_seq_len` positions on `device`."""
 
@@ -163,11 +172,7 @@ class Generator:
     # -- generation ---------------------------------------------------------------------------------
 
     def _check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise MinferError("the prompt is empty; pass at least one token (e.g. BOS)")
-        vocab = self.model.config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise MinferError(f"prompt token ids must lie in [0, {vocab}); the tokenizer does not match the model")
+        check_prompt_ids(prompt_ids, self.model.config.vocab_size)
         if len(prompt_ids) >= self.max_seq_len:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_seq_len}; "

@@ -20,8 +20,7 @@ def open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own SafetensorError for bad headers
-        raise CheckpointError(f"{file} is truncated or corrupt ({e}); delete it and download or write it "
-                              "again") from None
+        raise CheckpointError(f"{file} is truncated or corrupt ({e}); download or write it again") from None
 
 
 def stored_dtype(handle, name: str, where: str) -> torch.dtype:

@@ -7,12 +7,17 @@ so it runs inside a CUDA graph (the torch.Generator is registered with the graph
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from . import ops
 from .errors import MinferError
+
+
+# Below this, sampling is greedy in effect; near 1e-38, logits / temperature overflows float32 into NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -25,12 +30,15 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise MinferError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):  # NaN is refused too
+            raise MinferError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (below that "
+                              f"sampling is greedy in effect), got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
             raise MinferError(f"top_k must be >= 1 (or 0/None to disable), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise MinferError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise MinferError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

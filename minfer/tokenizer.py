@@ -16,6 +16,18 @@ BUNDLED_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tokenizer.mode
 _INCOMPLETE = "\ufffd"  # what a decoder emits for the bytes of a character that has not fully arrived
 
 
+def require_utf8(text: str, what: str = "the text to encode") -> None:
+    """Refuse text holding bytes that are not UTF-8: Python passes them on from argv (and from files
+    read with surrogateescape) as lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        found = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise MinferError(f"{what} is not valid UTF-8 text ({found} at character {exc.start}); "
+                          "pass UTF-8 text") from None
+
+
 def bundled_tokenizer_path() -> Path:
     """The sentencepiece model trained on minfer/data/corpus by `python -m minfer.demo --tokenizer`."""
     return BUNDLED_TOKENIZER
@@ -25,13 +37,14 @@ class Tokenizer:
     def __init__(self, path: str | Path):
         path = Path(path)
         if not path.is_file():
-            raise CheckpointError(f"tokenizer file {path} does not exist")
+            raise CheckpointError(f"tokenizer file {path} {'is a folder' if path.is_dir() else 'does not exist'}")
         self.path = path
         self._backend = _HFJson(path) if path.suffix == ".json" else _SentencePiece(path)
         self.bos_id, self.eos_id = self._backend.bos_id, self._backend.eos_id
         self.vocab_size = self._backend.vocab_size
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        require_utf8(text)
         ids = self._backend.encode(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 

@@ -15,6 +15,7 @@ from minfer.checkpoint import random_init, save_hf
 from minfer.config import KNOWN_CONFIGS, ModelConfig
 from minfer.model import Transformer
 from minfer.runtime import available_bytes, estimate_memory
+from minfer.sparsity.compressed import SAVE_MARKER, SAVE_MARKER_TEXT
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
 from tests.conftest import requires_cuda
 from tests.helpers import load_app
@@ -353,10 +354,11 @@ def test_save_compressed_refuses_a_folder_holding_another_checkpoint(local_check
                            "0.5", "--save-compressed", str(config_only)), "config.json, tokenizer.json")
     assert sorted(p.name for p in config_only.iterdir()) == ["config.json", "tokenizer.json"]
     assert (config_only / "config.json").read_text() == '{"mine": true}'
-    leftover = tmp_path / "leftover"  # an interrupted save's temporary files, and a hidden file
+    leftover = tmp_path / "leftover"  # an interrupted save's marker and temporary files, and a hidden file
     leftover.mkdir()
     for name in ("model.safetensors.partial", "config.json", ".DS_Store"):
         shutil.copyfile(local_checkpoint / "config.json", leftover / name)
+    (leftover / SAVE_MARKER).write_text(SAVE_MARKER_TEXT)
     sparse_json("--model", str(local_checkpoint), "--sparse", "macko", "--density", "0.5", "--save-compressed",
                 str(leftover))
     assert not (leftover / "model.safetensors.partial").exists()  # overwritten by the save, then renamed

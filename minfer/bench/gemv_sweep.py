@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..app_io import ArgumentParser
 from . import report
 from ..errors import MinferError
 from .arg_types import matrix_shape_list, positive_int, token_count_list
@@ -49,8 +50,8 @@ def sweep_shape(n: int, k: int, tokens: int, dtype: torch.dtype, copy_gbs: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minfer.bench.gemv_sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m minfer.bench.gemv_sweep", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=matrix_shape_list, default=None,
                         help="comma list of NxK (default: the Llama decode shapes)")
     parser.add_argument("--tokens", type=token_count_list, default=[1],

@@ -8,7 +8,6 @@ cuBLAS in the same run, and each kernel's output is checked against cuBLAS's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from minfer import ops
+from minfer.app_io import ArgumentParser
 from minfer.bench.report import environment
 from minfer.bench.timing import rotation_count, time_graph
 
@@ -91,7 +91,7 @@ def format_table(results: list[dict], kernels) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minfer.bench.hgemm_suite", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m minfer.bench.hgemm_suite", description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default="auto", help=f"comma-separated, from {', '.join(ops.HGEMM_KERNELS)}")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated M values")
     parser.add_argument("--shapes", default=",".join(LLAMA_SHAPES), help="comma-separated, from the Llama shapes")

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..app_io import ArgumentParser
 from ..errors import MinferError
 from ..formats import convert
 from ..formats.macko import release_scratch
@@ -272,8 +273,8 @@ def plot_e2e(path: str, rows: list[dict], title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minfer.bench.macko_suite", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="python -m minfer.bench.macko_suite", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--shapes", type=matrix_shape_list, default=None,
                         help="comma list of NxK (default: the Llama-2-7B shapes)")

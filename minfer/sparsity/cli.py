@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -148,11 +149,11 @@ def check(args: argparse.Namespace, resolved) -> None:
         if format_class(sparse) is DenseWeight and not stored:
             raise MinferError(f"--save-compressed writes compressed projections; add {sparse_flag()} (and --density "
                               "D to prune first, e.g. --density 0.5)")
-        target = Path(args.save_compressed).expanduser()
+        target = Path(os.path.expanduser(args.save_compressed))
         sources = [Path(reference.file).parent] if reference is not None and reference.file else []
         sources += [resolved.path] if resolved.path is not None else []
-        if args.model and Path(args.model).expanduser().is_dir():  # with random weights too: its files stay
-            sources.append(Path(args.model).expanduser())
+        if args.model and Path(os.path.expanduser(args.model)).is_dir():  # with random weights too: its files stay
+            sources.append(Path(os.path.expanduser(args.model)))
         if target.is_dir() and any(target.samefile(source) for source in sources):
             raise MinferError(f"--save-compressed {target} is the folder the weights are read from; "
                               "pass a new folder")

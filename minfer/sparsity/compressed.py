@@ -32,8 +32,14 @@ RANDOM_KEY = "minfer_random_weights"  # "true" when the saved weights were rando
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+# Written first and removed last by save_compressed, so a folder holding it (with exactly this text) is
+# a save that was cut short; file names alone (config.json.partial) could be anybody's.
+SAVE_MARKER = "minfer-save-in-progress"
+SAVE_MARKER_TEXT = ("minfer --save-compressed is writing this folder (a compressed checkpoint); "
+                    "it deletes this file once the save is complete.\n")
 # What save_compressed writes (".partial": its temporary files); a folder holding anything else is not its own.
-SAVED_FILES = {WEIGHTS_FILE, CONFIG_FILE, *TOKENIZER_FILES, WEIGHTS_FILE + ".partial", CONFIG_FILE + ".partial"}
+SAVED_FILES = {WEIGHTS_FILE, CONFIG_FILE, *TOKENIZER_FILES, WEIGHTS_FILE + ".partial", CONFIG_FILE + ".partial",
+               SAVE_MARKER}
 
 
 def check_save_target(folder: str | Path, create: bool = False) -> Path:
@@ -41,7 +47,7 @@ def check_save_target(folder: str | Path, create: bool = False) -> Path:
     folder other than an earlier compressed save (another model's files would be overwritten or
     left beside these); `create` makes a missing folder (a check alone makes nothing, so a run that
     fails later leaves no empty folder behind)."""
-    folder = Path(folder).expanduser()
+    folder = Path(os.path.expanduser(folder))  # os.path's leaves ~nosuchuser as it is; Path's raises
     if folder.exists() and not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder; pass a folder to write the model into")
     if not folder.exists():
@@ -57,14 +63,14 @@ def check_save_target(folder: str | Path, create: bool = False) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CheckpointError(f"cannot write into {folder}")
     # Hidden files (.DS_Store, ...) are left alone. Config and tokenizer files count as an earlier
-    # save's only beside its weights (or an interrupted save's temporary files): alone, they are
-    # somebody else's (e.g. the config-only folder of --macko-reference).
+    # save's only beside its weights (or in a folder whose save was cut short, as its marker says):
+    # alone, they are somebody else's (e.g. the config-only folder of --macko-reference).
     names = sorted(path.name for path in folder.iterdir() if not path.name.startswith("."))
     try:
         compressed = is_compressed(folder)
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}; delete it or pass a new folder") from None
-    ours = compressed or any(name.endswith(".partial") for name in names)
+    ours = compressed or _holds_save_marker(folder)
     foreign = [name for name in names
                if not ours or name not in SAVED_FILES or (name == WEIGHTS_FILE and not compressed)]
     if foreign:
@@ -72,6 +78,14 @@ def check_save_target(folder: str | Path, create: bool = False) -> Path:
                               f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
                               "pass a new or empty folder")
     return folder
+
+
+def _holds_save_marker(folder: Path) -> bool:
+    marker = folder / SAVE_MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return False
+    with open(marker, "rb") as f:
+        return f.read(len(SAVE_MARKER_TEXT) + 1) == SAVE_MARKER_TEXT.encode()
 
 
 def _umask() -> int:
@@ -85,11 +99,13 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
     """Write `model` (projections in any mix of formats) as a compressed checkpoint folder:
     a new or empty one, or one an earlier save wrote (check_save_target). Weights and config go to
     temporary files renamed only once both are complete, so an interrupted save leaves the folder's
-    earlier checkpoint, if any, whole. `random_weights` is kept in the file, so the reloaded model
-    is still reported as random."""
+    earlier checkpoint, if any, whole, and its marker file lets a later save take the folder.
+    `random_weights` is kept in the file, so the reloaded model is still reported as random."""
     from safetensors.torch import save_file
 
     folder = check_save_target(folder, create=True)
+    marker = folder / SAVE_MARKER
+    marker.write_text(SAVE_MARKER_TEXT)
     projections = dict(model.projections())
     layout = {name: {"format": linear.fmt.name, "shape": list(linear.fmt.shape), "options": linear.fmt.options()}
               for name, linear in projections.items()}
@@ -109,7 +125,7 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
     except BaseException:
         partial.unlink(missing_ok=True)
         partial_config.unlink(missing_ok=True)
-        raise
+        raise  # the marker stays: the folder may hold a cut-short save's files, which a later save replaces
     partial.replace(folder / WEIGHTS_FILE)
     partial_config.replace(folder / CONFIG_FILE)
     if tokenizer_path is not None:
@@ -118,6 +134,7 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
             for stale in TOKENIZER_FILES:  # a leftover one would be found first
                 (folder / stale).unlink(missing_ok=True)
             shutil.copyfile(tokenizer_path, target)
+    marker.unlink()
     return folder
 
 
