@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
+from minfer import ops  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402
 from minfer.bench.cases_macko import DENSITIES as MACKO_CASE_DENSITIES  # noqa: E402
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             check_decode_context(args)
         if not torch.cuda.is_available():
             raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")
+        ops.build()
         if args.op == DECODE:
             decode_timeline(args) if args.timeline else profile_decode(args)
         else:
