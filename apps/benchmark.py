@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.app_io import ArgumentParser, run_main  # noqa: E402
+from minfer import ops  # noqa: E402
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
             raise MinferError(f"--shapes: {e}") from None
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
+    ops.build()
     dtype = DTYPES[args.dtype]
     env = report.environment()
     report.print_environment(env)

@@ -67,7 +67,7 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--sparse", choices=formats.format_choices(), default=None,
                        help="weight format of the attention and MLP projections (default: none = dense; a "
                             "compressed model loads as stored)")
-    model.add_argument("--backend", choices=ops.BACKENDS, default=ops.backend(),
+    model.add_argument("--backend", choices=ops.BACKENDS, default=ops.current_backend(),
                        help="minfer: our CUDA kernels on a GPU; torch: the plain-PyTorch path of the same model "
                             "(default: %(default)s, or $MINFER_BACKEND)")
     model.add_argument("--embedding", choices=EMBEDDING_PLACES, default=None,
@@ -100,7 +100,6 @@ def note(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require_utf8(args.prompt, "--prompt")
-    ops.set_backend(args.backend)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     if args.max_new_tokens < 1:
@@ -179,7 +178,8 @@ def print_stats(stats, device: torch.device, is_random: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with ops.backend(args.backend):
+            return run(args)
     except MinferError as e:
         note(f"error: {e}")
         return 2

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 from minfer.bench import decode_timeline as timeline  # noqa: E402
 from minfer.app_io import ArgumentParser, run_main  # noqa: E402
+from minfer import ops  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402
 from minfer.bench.e2e_suite import build_model  # noqa: E402
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             check_decode_context(args)
         if not torch.cuda.is_available():
             raise DeviceError("profiling needs a CUDA GPU and none is visible; run it on a GPU machine")
+        ops.build()
         if args.op == DECODE:
             decode_timeline(args) if args.timeline else profile_decode(args)
         else:

@@ -7,7 +7,7 @@ hand-off, `ops.argmax`), so nothing but an event sits between two replays; the h
 while steps i+1..i+LOOKAHEAD are already queued, so the GPU never waits for Python. Without minfer's
 kernels on a GPU (the torch backend) the token is copied to the host behind each replay instead.
 
-The torch attention path reads the cache up to `kv_len`, a static shape per graph: positions are
+The SDPA attention path reads the cache up to `kv_len`, a static shape per graph: positions are
 grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its own graph.
 """
 
@@ -100,16 +100,20 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 
 class Generator:
-    """Runs `model` (batch 1) with a static KV cache of `max_seq_len` positions on `device`."""
+    """Runs `model` (batch 1) with a static KV cache of `max_seq_len` positions on `device`, under the ops
+    backend (`ops.backend`) active when it is built, and with the `attention` backend (minfer.attention)."""
 
     def __init__(self, model: Transformer, tokenizer, max_seq_len: int, device: torch.device | str,
-                 use_cuda_graph: bool = True):
+                 use_cuda_graph: bool = True, attention: str = "dense"):
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(device)
         self.max_seq_len = max_seq_len
-        model.setup_caches(1, max_seq_len, device=self.device)
-        # Captured graphs hold raw pointers: keep these caches alive even if the model gets new ones.
+        self.backend = ops.current_backend()  # graphs and the token hand-off below are made for it
+        model.setup_caches(1, max_seq_len, device=self.device, attention=attention)
+        # Captured graphs hold raw pointers: keep these caches and the attention workspace alive even if
+        # the model gets new ones.
         self._caches = [layer.self_attn.kv_cache for layer in model.layers]
+        self._attention = model.attention
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
         eos = tokenizer.eos_id if tokenizer is not None else model.config.eos_token_id
         self.eos_id: int | None = eos  # None: never stop early
@@ -185,6 +189,11 @@ class Generator:
                  on_token=None) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`; `on_token(id)` is called as each token
         arrives on the host. Stops at EOS (not returned), max_new_tokens, or the context end."""
+        with ops.backend(self.backend):
+            return self._generate(prompt_ids, params, max_new_tokens, on_token)
+
+    def _generate(self, prompt_ids: list[int], params: SamplingParams | None, max_new_tokens: int,
+                  on_token) -> GenerationResult:
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         self._check_prompt(prompt_ids)

@@ -1,8 +1,8 @@
 """Static KV cache: one preallocated K and V buffer per layer, [B, Hkv, max_seq_len, head_dim].
 
 Preallocation keeps every decode step at fixed addresses and shapes, which CUDA graphs need.
-On a GPU the cache also owns the decode-attention kernel's split-K workspace, so a decode step
-allocates nothing.
+What an attention kernel needs besides the cache (a workspace) belongs to the model's attention
+backend (minfer.attention).
 """
 
 from __future__ import annotations
@@ -10,20 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import decode_attention_workspace
-
 
 class KVCache(nn.Module):
-    def __init__(self, batch_size: int, num_heads: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        workspace = None
-        if self.k_cache.is_cuda:
-            workspace = decode_attention_workspace(batch_size, num_heads, num_kv_heads, head_dim, max_seq_len, device)
-        self.register_buffer("attention_workspace", workspace, persistent=False)
 
     @property
     def max_seq_len(self) -> int:

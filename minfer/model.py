@@ -5,8 +5,8 @@ except that q/k/v are fused into one `qkv_proj` and gate/up into one `gate_up_pr
 read per sublayer input. Every tensor is a buffer; the model only runs inference.
 
 The numerical steps go through `minfer.ops` (projections, RMSNorm, RoPE fused with the KV-cache
-write, SiLU-mul, decode attention): CUDA kernels on a GPU with the minfer backend, their pure-PyTorch
-references otherwise. Prefill attention uses torch SDPA.
+write, SiLU-mul): CUDA kernels on a GPU with the minfer backend, their pure-PyTorch references
+otherwise. Attention goes through the backend `setup_caches` picks (minfer.attention).
 
 Each sublayer is `residual += proj_out(f(proj_in(norm(residual))))`, and the norm and the add are
 arguments of the projections (`Linear.forward(x, norm=, residual=)`): at decode the GEMV computes
@@ -16,60 +16,19 @@ layer runs no norm or add kernel of its own (other formats and prefill run them 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import ops
+from .attention import AttentionBackend, AttentionPass, attention_class
 from .config import ModelConfig
 from .errors import CheckpointError, ContextLengthError, MinferError
 from .formats import DenseWeight, WeightFormat
 from .kv_cache import KVCache
-
-# ----------------------------------------------------------------------------------------------
-# Numerics (PyTorch reference path; same signatures as the minfer.ops kernels)
-# ----------------------------------------------------------------------------------------------
-
-
-def decodes_with_kernel(seq_len: int, cache: KVCache, like: torch.Tensor) -> bool:
-    """One token per sequence over a GPU cache runs the split-K decode kernel, which needs no mask."""
-    return seq_len == 1 and cache.attention_workspace is not None and ops.use_kernels(like)
-
-
-# Prefill attention (several query tokens, through torch's SDPA) skips the cuDNN backend: that one
-# spends ~100 us of host time per call, which a short prompt's eager prefill waits on (llama2-7b,
-# 17 tokens, H100: 15.9 -> 12.4 ms; 512 tokens unchanged at 13.5-13.8 ms). One-token attention on
-# the torch backend runs inside a CUDA graph, where host time is free, and keeps torch's choice.
-# Transformer.forward selects these backends around its layers.
-PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def attention(q: torch.Tensor, cache: KVCache, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
-    """q [B,T,Hq,D] attends to cache positions [0, kv_len), with the additive mask [T, kv_len]
-    (0 where visible, -inf elsewhere, in q's dtype). mask None means plain causal attention over a
-    prompt that fills positions 0..T-1 (T == kv_len). Query head h reads KV head h // (Hq / Hkv), as
-    HF's repeat_kv does. Returns [B,T,Hq,D].
-
-    A single decode token on the GPU runs minfer's split-K flash-decoding kernel, which reads the
-    live length from input_pos on the device (kv_len and mask are then unused).
-    """
-    if decodes_with_kernel(q.shape[1], cache, q):
-        out = ops.decode_attention(q[:, 0], cache.k_cache, cache.v_cache, input_pos, scale,
-                                   workspace=cache.attention_workspace)
-        return out.unsqueeze(1)
-    k, v = cache.k_cache[:, :, :kv_len], cache.v_cache[:, :, :kv_len]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=q.shape[2] != k.shape[1],
-    )
-    return out.transpose(1, 2)
-
 
 # ----------------------------------------------------------------------------------------------
 # RoPE tables
@@ -164,11 +123,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size)
         self.o_proj = Linear(config.q_size, config.hidden_size)
-        self.scale = config.head_dim ** -0.5
         self.kv_cache: KVCache | None = None
+        self.backend: AttentionBackend | None = None  # the model's, set with the cache (setup_caches)
 
-    def forward(self, residual: torch.Tensor, norm: RMSNorm, input_pos: torch.Tensor, kv_len: int,
-                mask: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def forward(self, residual: torch.Tensor, norm: RMSNorm, step: AttentionPass,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """residual += o_proj(attention(qkv_proj(norm(residual)))), in place."""
         batch, seq, _ = residual.shape
         d = self.head_dim
@@ -178,8 +137,8 @@ class Attention(nn.Module):
         k = k.view(batch, seq, self.num_kv_heads, d)
         v = v.view(batch, seq, self.num_kv_heads, d)
         cache = self.kv_cache
-        ops.rope_write_kv(q, k, v, *rope, input_pos, cache.k_cache, cache.v_cache)
-        out = attention(q, cache, input_pos, kv_len, mask, self.scale)
+        ops.rope_write_kv(q, k, v, *rope, step.input_pos, cache.k_cache, cache.v_cache)
+        out = self.backend.decode(q, cache, step) if seq == 1 else self.backend.prefill(q, cache, step)
         self.o_proj(out.reshape(batch, seq, self.num_heads * d), residual=residual)
 
 
@@ -202,10 +161,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, residual: torch.Tensor, input_pos: torch.Tensor, kv_len: int, mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def forward(self, residual: torch.Tensor, step: AttentionPass, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Updates the residual stream in place: attention, then the MLP, each on its normed input."""
-        self.self_attn(residual, self.input_layernorm, input_pos, kv_len, mask, rope)
+        self.self_attn(residual, self.input_layernorm, step, rope)
         self.mlp(residual, self.post_attention_layernorm)
 
 
@@ -224,7 +182,8 @@ class Transformer(nn.Module):
         self._tie_lm_head()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None  # arange(max_seq_len) on the cache device, for masks
+        self.positions: torch.Tensor | None = None  # arange(max_seq_len) on the cache device
+        self.attention: AttentionBackend | None = None  # chosen by setup_caches
         self.max_batch_size = self.max_seq_len = 0
 
     def _tie_lm_head(self) -> None:
@@ -232,7 +191,9 @@ class Transformer(nn.Module):
             self.lm_head.fmt.weight = self.embed_tokens.weight
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> Transformer:
-        """Allocate every weight on `device` in `dtype`, uninitialised (a tied lm_head shares the embedding)."""
+        """Allocate every weight on `device` in `dtype`, uninitialised (a tied lm_head shares the embedding);
+        on a GPU that runs minfer's kernels, build them (or load them from the cache) first."""
+        ops.build_for(device)
         if self.config.tie_word_embeddings:
             self.lm_head.fmt.weight = None  # allocate the shared matrix once
         self.to(dtype=dtype).to_empty(device=device)
@@ -281,8 +242,9 @@ class Transformer(nn.Module):
         return linears + norms + embedding_row
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None) -> None:
-        """Preallocate the KV cache of every layer and the RoPE tables for positions < max_seq_len."""
+                     device: torch.device | str | None = None, attention: str = "dense") -> None:
+        """Preallocate the KV cache of every layer and the RoPE tables for positions < max_seq_len, and
+        choose the `attention` backend (minfer.attention) for these caches, under the current ops backend."""
         limit = self.config.max_position_embeddings
         if max_seq_len > limit:
             raise ContextLengthError(
@@ -290,10 +252,12 @@ class Transformer(nn.Module):
                 f"use --max-seq-len {limit} or less"
             )
         dtype = dtype or self.norm.weight.dtype
-        device = device or self.norm.weight.device
+        device = torch.device(device or self.norm.weight.device)
+        self.attention = attention_class(attention).create(self.config, max_batch_size, max_seq_len, dtype, device)
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_heads, self.config.num_kv_heads,
-                                               max_seq_len, self.config.head_dim, dtype, device)
+            layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_kv_heads, max_seq_len,
+                                               self.config.head_dim, dtype, device)
+            layer.self_attn.backend = self.attention
         self.rope_cos, self.rope_sin = rope_tables(self.config, max_seq_len, device)
         self.positions = torch.arange(max_seq_len, device=device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -310,17 +274,9 @@ class Transformer(nn.Module):
         if self.rope_cos is None:
             raise MinferError("call setup_caches(max_batch_size, max_seq_len) before running the model")
         kv_len = self.max_seq_len if kv_len is None else kv_len
-        mask = None
-        needs_mask = tokens.shape[1] != kv_len
-        if needs_mask and len(self.layers):
-            needs_mask = not decodes_with_kernel(tokens.shape[1], self.layers[0].self_attn.kv_cache, self.rope_cos)
-        if needs_mask:  # built once here rather than converted from bool in every layer
-            visible = self.positions[:kv_len] <= input_pos[:, None]
-            mask = torch.where(visible, 0.0, float("-inf")).to(self.norm.weight.dtype)
         rope = (self.rope_cos, self.rope_sin)
         residual = self.embed_tokens(tokens)
-        # Entered once per forward, not per layer: each entry costs ~13 us of host time.
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS) if tokens.shape[1] > 1 else contextlib.nullcontext():
+        with self.attention.forward_pass(input_pos, tokens.shape[1], kv_len) as step:
             for layer in self.layers:
-                layer(residual, input_pos, kv_len, mask, rope)
+                layer(residual, step, rope)
         return self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)

@@ -15,14 +15,3 @@ def minfer_kernels():
         from minfer import ops
 
         ops.build()
-
-
-@pytest.fixture(autouse=True)
-def restore_backend():
-    """Apps run in-process (e.g. `generate.py --backend torch` in an input-error test) set the
-    process-wide backend; later tests must not inherit it (a CUDA graph of the reference path fails)."""
-    from minfer import ops
-
-    previous = ops.backend()
-    yield
-    ops.set_backend(previous)

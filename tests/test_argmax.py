@@ -7,6 +7,8 @@ from minfer import ops
 from minfer.errors import FormatError
 from tests.conftest import requires_cuda
 
+pytestmark = pytest.mark.memcheck  # scripts/device_check.sh: compute-sanitizer memcheck runs this file
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, V): the Llama-2 / Llama-3 vocabularies, and odd V whose rows are not 16-byte aligned.
 SHAPES = [(1, 32000), (1, 128256), (4, 50257), (3, 1001), (2, 7)]
@@ -54,6 +56,7 @@ def test_argmax_special_values(dtype):
 
 
 @requires_cuda
+@pytest.mark.racecheck
 def test_argmax_in_cuda_graph():
     logits = torch.randn(2, 32000, device="cuda", dtype=torch.float16)
     out = torch.empty(2, dtype=torch.int64, device="cuda")
@@ -69,6 +72,7 @@ def test_argmax_in_cuda_graph():
         assert torch.equal(out, torch.argmax(logits, dim=-1))
 
 
+@pytest.mark.memcheck_skip
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_argmax_opcheck(dtype):

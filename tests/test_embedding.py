@@ -9,6 +9,8 @@ from minfer import ops
 from minfer.errors import DeviceError
 from tests.conftest import requires_cuda
 
+pytestmark = pytest.mark.memcheck  # scripts/device_check.sh: compute-sanitizer memcheck runs this file
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
@@ -60,6 +62,7 @@ def test_host_table_in_a_cuda_graph_reads_new_tokens():
 
 
 @requires_cuda
+@pytest.mark.memcheck_skip
 def test_opcheck():
     table = torch.randn(40, 24, dtype=torch.float16)
     tokens = torch.tensor([1, 39, 0], device="cuda")
@@ -78,6 +81,5 @@ def test_bad_arguments_are_refused():
         ops.embedding(torch.randn(10, 8, device="cuda"), tokens.int())
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         ops.embedding(torch.ones(10, 7, dtype=torch.uint8, device="cuda"), tokens)
-    ops.set_backend("torch")  # conftest's restore_backend puts it back
-    with pytest.raises(DeviceError, match="host memory"):
+    with ops.backend("torch"), pytest.raises(DeviceError, match="host memory"):
         ops.embedding(torch.randn(10, 8).pin_memory(), tokens)

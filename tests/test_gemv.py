@@ -8,6 +8,8 @@ from minfer.errors import FormatError
 from tests.conftest import requires_cuda
 from tests.numerics import fused_linear_reference64, linear_reference64, random_linear_problem, rel_error
 
+pytestmark = pytest.mark.memcheck  # scripts/device_check.sh: compute-sanitizer memcheck runs this file
+
 DTYPES = [torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # about 4x the rounding of the output dtype
 # (N, K): N off the 16-row tile; K with a partial last 32-wide step, leftover steps, uneven batches
@@ -47,11 +49,12 @@ def test_gemv_matches_float64(n, k, tokens, dtype):
 @pytest.mark.parametrize("tokens", [1, 8])
 @pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
 @pytest.mark.parametrize("n,k", [(77, 1000), (300, 4104)])
+@pytest.mark.memcheck_skip
 def test_every_launch_configuration(n, k, warps, unroll, tokens):
     """Every (warps, unroll) variant that gemv_sweep times matches float64."""
     dtype = torch.float16
     x, w, out = random_linear_problem(tokens, n, k, dtype)
-    ops.gemv(x, w, out=out, warps_per_block=warps, unroll=unroll)
+    ops.gemv_tuned(x, w, out=out, warps_per_block=warps, unroll=unroll)
     assert rel_error(out, linear_reference64(x, w)) < TOLERANCE[dtype]
 
 
@@ -59,11 +62,11 @@ def test_every_launch_configuration(n, k, warps, unroll, tokens):
 def test_rejects_unknown_launch_configuration():
     x, w, out = random_linear_problem(1, 16, 32, torch.float16)
     with pytest.raises(RuntimeError, match="warps_per_block must be"):
-        ops.gemv(x, w, out=out, warps_per_block=6)
+        ops.gemv_tuned(x, w, out=out, warps_per_block=6)
     with pytest.raises(RuntimeError, match="unroll must be"):
-        ops.gemv(x, w, out=out, unroll=3)
+        ops.gemv_tuned(x, w, out=out, unroll=3)
     with pytest.raises(RuntimeError, match="unroll must be"):  # 16 warps x 8 steps would spill
-        ops.gemv(x, w, out=out, warps_per_block=16, unroll=8)
+        ops.gemv_tuned(x, w, out=out, warps_per_block=16, unroll=8)
 
 
 @requires_cuda
@@ -79,6 +82,7 @@ def test_gemv_unaligned_views(dtype):
 
 
 @requires_cuda
+@pytest.mark.racecheck
 def test_gemv_chain_in_cuda_graph():
     """Two dependent GEMVs captured in one graph: the second reads what the first wrote (this is what
     the programmatic-dependent-launch wait must guarantee), replayed on fresh inputs."""
@@ -141,10 +145,11 @@ def test_fused_gemv_matches_float64(n, k, tokens, dtype, norm, accumulate):
 
 @requires_cuda
 @pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
+@pytest.mark.memcheck_skip
 def test_fused_gemv_every_launch_configuration(warps, unroll):
     x, w, g, out = fused_problem(2, 300, 4104, torch.float16, True, True)
     expected = fused_linear_reference64(x, w, g, 1e-6, out.clone(), round_scaled_x=True)
-    ops.gemv(x, w, out=out, norm_weight=g, eps=1e-6, accumulate=True, warps_per_block=warps, unroll=unroll)
+    ops.gemv_tuned(x, w, out=out, norm_weight=g, eps=1e-6, accumulate=True, warps_per_block=warps, unroll=unroll)
     assert rel_error(out, expected) < TOLERANCE[torch.float16]
 
 
@@ -184,9 +189,10 @@ def test_silu_mul_gemv_matches_float64(inter, k, tokens, dtype, norm):
 
 @requires_cuda
 @pytest.mark.parametrize("warps,unroll", [(w, u) for w in (4, 8, 16) for u in (2, 4, 8) if (w, u) != (16, 8)])
+@pytest.mark.memcheck_skip
 def test_silu_mul_gemv_every_launch_configuration(warps, unroll):
     x, w, g, _ = fused_problem(2, 2 * 300, 4104, torch.float16, True, False)
-    out = ops.gemv(x, w, norm_weight=g, eps=1e-6, silu_mul=True, warps_per_block=warps, unroll=unroll)
+    out = ops.gemv_tuned(x, w, norm_weight=g, eps=1e-6, silu_mul=True, warps_per_block=warps, unroll=unroll)
     expected = fused_linear_reference64(x, w, g, 1e-6, None, silu_mul=True, round_scaled_x=True)
     assert rel_error(out, expected) < TOLERANCE[torch.float16]
 
@@ -209,6 +215,7 @@ def test_fused_gemv_rejects_bad_arguments():
 
 
 @requires_cuda
+@pytest.mark.racecheck
 def test_sublayer_chain_in_cuda_graph():
     """A decode sublayer as the model runs it: GEMV 1 adds into the residual stream in place and
     GEMV 2 reads that residual with the RMSNorm fused, in one graph (the PDL wait must order them)."""
@@ -242,11 +249,13 @@ def test_sublayer_chain_in_cuda_graph():
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.memcheck_skip
 def test_gemv_opcheck(dtype):
     x, w, out = random_linear_problem(3, 48, 96, dtype)
     torch.library.opcheck(torch.ops.minfer.gemv.default, (x, w, out))
     g = torch.ones(96, device="cuda", dtype=dtype)
     torch.library.opcheck(torch.ops.minfer.gemv.default, (x, w, out, g, 1e-5, True))
+    torch.library.opcheck(torch.ops.minfer.gemv_tuned.default, (x, w, out, g, 1e-5, True, False, 8, 4))
 
 
 @requires_cuda

@@ -147,11 +147,13 @@ def test_embedding_in_host_memory_changes_nothing_but_memory():
 
 @requires_cuda
 def test_loaded_kernels_cost_no_build_lookups(monkeypatch):
-    """Every op wrapper asks use_kernels; once the extension is loaded that must not rebuild the build
-    folder's path (it took ~4 ms of host time per 512-token MACKO prefill, which is host-bound)."""
+    """Every op wrapper asks use_kernels; once the extension is loaded neither that nor another build()
+    may rebuild the build folder's path (it took ~4 ms of host time per 512-token MACKO prefill, which
+    is host-bound)."""
     from minfer import ops
+    from minfer.ops import runtime
 
     folder = ops.build()
-    monkeypatch.setattr(ops, "build_dir", lambda: pytest.fail("build_dir called after the kernels loaded"))
+    monkeypatch.setattr(runtime, "build_dir", lambda: pytest.fail("build_dir called after the kernels loaded"))
     assert ops.use_kernels(torch.zeros(1, device="cuda"))
     assert ops.build() == folder

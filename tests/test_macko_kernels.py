@@ -9,7 +9,7 @@ from minfer.formats.macko import MackoWeight, compress
 from tests.conftest import requires_cuda
 from tests.numerics import assert_graph_replays_read_new_inputs, relative_difference, relative_error, sparse_matrix
 
-pytestmark = requires_cuda
+pytestmark = [requires_cuda, pytest.mark.memcheck]  # memcheck: see scripts/device_check.sh
 
 DENSITIES = [0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0]
 TUNINGS = [dict(steps=s, warps_per_block=w, x_in_smem=m, pipeline=1)
@@ -21,7 +21,7 @@ def run_spmv(matrix, tokens, **tuning):
     values, deltas, row_ptr = compress(matrix)
     x = torch.randn(tokens, matrix.shape[1], device="cuda").to(matrix.dtype)
     out = torch.full((tokens, matrix.shape[0]), float("nan"), device="cuda", dtype=matrix.dtype)
-    ops.macko_spmv(values, deltas, row_ptr, x, out=out, **tuning)
+    (ops.macko_spmv_tuned if tuning else ops.macko_spmv)(values, deltas, row_ptr, x, out=out, **tuning)
     return out, x
 
 
@@ -62,6 +62,7 @@ def test_bf16_and_fp16(dtype, tokens):
 
 @pytest.mark.parametrize("tuning", TUNINGS,
                          ids=lambda t: "s{steps}w{warps_per_block}m{x_in_smem}p{pipeline}".format(**t))
+@pytest.mark.memcheck_skip
 def test_every_launch_configuration(tuning):
     matrix = sparse_matrix(517, 1531, 0.35, seed=11, uneven=True)
     matrix[100:140] = 0  # a run of empty rows
@@ -72,8 +73,8 @@ def test_every_launch_configuration(tuning):
         assert relative_error(out, matrix, x) < 2e-3
 
 
-@pytest.mark.parametrize("cols, density", [(4096, 0.5), (4096, 0.1), (4096, 0.3), (1031, 0.9), (300, 0.02),
-                                           (2048, 0.25), (520, 1.0), (11008, 0.5)])
+@pytest.mark.parametrize("cols, density", [(4096, 0.5), *(pytest.param(*case, marks=pytest.mark.memcheck_skip) for case in (
+    (4096, 0.1), (4096, 0.3), (1031, 0.9), (300, 0.02), (2048, 0.25), (520, 1.0), (11008, 0.5)))])
 @pytest.mark.parametrize("warps_per_block", [0, 4, 16])
 @pytest.mark.parametrize("steps", [0, 1])  # 0: the default, 2 steps
 def test_spmv_one_token_every_row(cols, density, warps_per_block, steps):
@@ -125,6 +126,7 @@ def assert_every_row_close(out, matrix, x):
 
 
 @pytest.mark.parametrize("rounds, extra_rows", [(0, 5), (1, -1), (1, 0), (1, 1), (2, -17), (2, 1), (5, 7)])
+@pytest.mark.memcheck_skip
 def test_spmv_one_token_balanced_grid_every_row(rounds, extra_rows):
     """The default one-token grid gives each of its 2 blocks per SM just enough warps (at most 16) for
     the rows to split into whole rounds: row counts around multiples of 32 warps per SM give blocks
@@ -148,6 +150,7 @@ def test_spmv_one_token_rows_ending_early(steps):
     assert_every_row_close(out, matrix, x)
 
 
+@pytest.mark.racecheck
 def test_long_rows_many_groups():
     matrix = sparse_matrix(3, 50000, 1.0, seed=2)  # 50000 entries per row: ~100 pipeline groups
     out, x = run_spmv(matrix, 1)
@@ -187,6 +190,7 @@ def test_gpu_compression_matches_cpu():
         assert torch.equal(gpu.cpu(), cpu)
 
 
+@pytest.mark.memcheck_skip
 def test_opcheck():
     matrix = sparse_matrix(40, 300, 0.3, seed=4)
     values, deltas, row_ptr = compress(matrix)
@@ -194,12 +198,14 @@ def test_opcheck():
         x = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
         out = torch.empty(tokens, 40, device="cuda", dtype=torch.float16)
         torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                              (values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False, False))
+                              (values, deltas, row_ptr, x, out, None, 0.0, False, False))
     g = torch.rand(300, device="cuda", dtype=torch.float16) + 0.5
     torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, 0, 0, -1, 1, False, False))
+                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, False, False))
     torch.library.opcheck(torch.ops.minfer.macko_spmv,
-                          (values, deltas, row_ptr, x[:1], out.new_empty(1, 20), g, 1e-5, 0, 0, -1, 1, False, True))
+                          (values, deltas, row_ptr, x[:1], out.new_empty(1, 20), g, 1e-5, False, True))
+    torch.library.opcheck(torch.ops.minfer.macko_spmv_tuned,
+                          (values, deltas, row_ptr, x[:1], out[:1], g, 1e-5, True, False, 2, 8, 1, 1))
     dense = torch.empty(40, 300, device="cuda", dtype=torch.float16)
     torch.library.opcheck(torch.ops.minfer.macko_decompress, (values, deltas, row_ptr, dense))
 
@@ -248,7 +254,7 @@ def test_spmv_accumulates_into_out(tokens, tuning):
     x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
     residual = torch.randn(tokens, 300, device="cuda", dtype=torch.float16)
     expected = residual.double() + x.double() @ matrix.double().T
-    ops.macko_spmv(values, deltas, row_ptr, x, out=residual, accumulate=True, **tuning)
+    ops.macko_spmv_tuned(values, deltas, row_ptr, x, out=residual, accumulate=True, **tuning)
     assert ((residual.double() - expected).norm() / expected.norm()).item() < 2e-3
 
 
@@ -270,9 +276,12 @@ def normed_product(x, g, matrix, eps=1e-5):
     return ((x * g).double() @ matrix.double().T) * scale
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows, cols, aligned", [(1, 7, True), (37, 1000, True), (300, 4097, True),
-                                                 (64, 11008, True), (5, 16384, True), (300, 4096, False)])
+@pytest.mark.parametrize("dtype, rows, cols, aligned", [
+    pytest.param(dtype, *shape, id=f"{'-'.join(map(str, shape))}-dtype{i}",
+                 marks=[pytest.mark.racecheck] if i == 0 and shape in ((37, 1000, True), (300, 4096, False)) else [])
+    for i, dtype in enumerate((torch.float16, torch.bfloat16))
+    for shape in ((1, 7, True), (37, 1000, True), (300, 4097, True), (64, 11008, True), (5, 16384, True),
+                  (300, 4096, False))])
 def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
     """One token with a norm weight runs the norm inside the SpMV (x and g staged by vectors when
     both are 16-byte aligned, one by one otherwise), with and without the residual add."""
@@ -293,6 +302,7 @@ def test_spmv_fuses_the_rms_norm(dtype, rows, cols, aligned):
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.memcheck_skip
 def test_spmv_norm_is_the_same_for_every_launch_shape(seed):
     """The norm's sum of x^2 is added in an order fixed by the columns alone, not by the block's threads
     or x's alignment: 4-warp blocks, 16-warp blocks and x at an unaligned address (the scalar staging
@@ -306,7 +316,8 @@ def test_spmv_norm_is_the_same_for_every_launch_shape(seed):
     shifted = torch.empty(1, 4097, device="cuda", dtype=torch.float16)
     shifted[:, 1:] = x
     inputs = [(x, {}), (x, dict(warps_per_block=4)), (x, dict(warps_per_block=16)), (shifted[:, 1:], {})]
-    outs = [ops.macko_spmv(values, deltas, row_ptr, xi, norm_weight=g, eps=1e-5, **tuning) for xi, tuning in inputs]
+    outs = [ops.macko_spmv_tuned(values, deltas, row_ptr, xi, norm_weight=g, eps=1e-5, **tuning)
+            for xi, tuning in inputs]
     assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
@@ -320,10 +331,10 @@ def test_spmv_fusion_falls_back_to_its_kernel(fusion, tokens, tuning):
     x = torch.randn(tokens, 1000, device="cuda", dtype=torch.float16)
     if fusion == "norm":
         g = torch.rand(1000, device="cuda", dtype=torch.float16) + 0.5
-        out = ops.macko_spmv(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, **tuning)
+        out = ops.macko_spmv_tuned(values, deltas, row_ptr, x, norm_weight=g, eps=1e-5, **tuning)
         expected = normed_product(x, g, matrix)
     else:
-        out = ops.macko_spmv(values, deltas, row_ptr, x, silu_mul=True, **tuning)
+        out = ops.macko_spmv_tuned(values, deltas, row_ptr, x, silu_mul=True, **tuning)
         gate, up = (x.double() @ matrix.double().T).chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate) * up
     assert out.shape == expected.shape
@@ -368,7 +379,6 @@ def test_spmv_fuses_silu_mul(dtype, half_rows, cols, norm):
 
 
 def small_macko():
-    ops.build()  # these tests call torch.ops.minfer directly
     values, deltas, row_ptr = compress(sparse_matrix(8, 64, 0.5))
     return values, deltas, row_ptr, torch.randn(1, 64, device="cuda", dtype=torch.float16)
 
@@ -377,14 +387,14 @@ def test_binding_rejects_dtype_mismatch():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 8, device="cuda")
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, 0, 0, -1, 1, False, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x.float(), out, None, 0.0, False, False)
 
 
 def test_binding_rejects_wrong_out_shape():
     values, deltas, row_ptr, x = small_macko()
     out = torch.empty(1, 9, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out, None, 0.0, False, False)
 
 
 def test_binding_rejects_misaligned_values():
@@ -392,7 +402,7 @@ def test_binding_rejects_misaligned_values():
     misaligned = values.new_empty(values.numel() + 1)[1:]  # 2 bytes past a 16-byte boundary
     out = torch.empty(1, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="aligned"):
-        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, 0, 0, -1, 1, False, False)
+        torch.ops.minfer.macko_spmv(misaligned, deltas, row_ptr, x, out, None, 0.0, False, False)
 
 
 def test_binding_rejects_a_norm_it_cannot_fuse():
@@ -401,21 +411,20 @@ def test_binding_rejects_a_norm_it_cannot_fuse():
     two_tokens = x.expand(2, 64).contiguous()
     out = torch.empty(2, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="fused for one token"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, 0, 0, -1, 1, False, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, two_tokens, out, g, 1e-5, False, False)
     with pytest.raises(RuntimeError, match="norm_weight must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, 0, 0, -1, 1, False, False)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, out[:1], g[:32], 1e-5, False, False)
 
 
 def test_binding_rejects_a_silu_mul_it_cannot_fuse():
     values, deltas, row_ptr, x = small_macko()
     half = torch.empty(1, 4, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="no accumulate"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half, None, 0.0, 0, 0, -1, 1, True, True)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half, None, 0.0, True, True)
     with pytest.raises(RuntimeError, match="fused for one token"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half, None, 0.0, 0, 0, 0, 1, False, True)
+        torch.ops.minfer.macko_spmv_tuned(values, deltas, row_ptr, x, half, None, 0.0, False, True, 0, 0, 0, 1)
     with pytest.raises(RuntimeError, match="out must be"):
-        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half[:, :3], None, 0.0, 0, 0, -1, 1, False, True)
+        torch.ops.minfer.macko_spmv(values, deltas, row_ptr, x, half[:, :3], None, 0.0, False, True)
     odd_values, odd_deltas, odd_row_ptr = compress(sparse_matrix(7, 64, 0.5))
     with pytest.raises(RuntimeError, match="even"):
-        torch.ops.minfer.macko_spmv(odd_values, odd_deltas, odd_row_ptr, x, half[:, :3], None, 0.0, 0, 0, -1, 1,
-                                    False, True)
+        torch.ops.minfer.macko_spmv(odd_values, odd_deltas, odd_row_ptr, x, half[:, :3], None, 0.0, False, True)

@@ -1,5 +1,5 @@
 """End-to-end benchmark: prefill and decode speed of a random-weight model at batch 1, minfer's
-kernels against the plain-torch path of the same model code (`ops.set_backend("torch")`).
+kernels against the plain-torch path of the same model code (`ops.backend("torch")`).
 
 Each backend gets a fresh Generator and one full warm-up generation (graph capture, library init);
 the next TIMED_RUNS generations are timed and their medians reported (a single 512-token prefill
@@ -55,17 +55,15 @@ def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int,
     the highest peak memory of those runs, less `held_before` bytes (see memory_held). minfer reads
     the token embedding from `embedding` ("host": pinned host memory, see
     Transformer.place_embedding), the torch backend always from the GPU."""
-    previous = ops.backend()
-    ops.set_backend(backend)
     model.place_embedding(embedding if backend == "minfer" else "gpu")
     try:
-        generator = Generator(model, None, len(prompt_ids) + new_tokens, "cuda")
+        with ops.backend(backend):  # the Generator runs under the backend it was built in
+            generator = Generator(model, None, len(prompt_ids) + new_tokens, "cuda")
         generator.eos_id = None
         runs = [generator.generate(prompt_ids, SamplingParams(), max_new_tokens=new_tokens).stats.as_dict()
                 for _ in range(1 + TIMED_RUNS)][1:]  # the first captures the graphs and initialises libraries
         del generator
     finally:
-        ops.set_backend(previous)
         gc.collect()
         torch.cuda.empty_cache()
     stats = dict(runs[-1])

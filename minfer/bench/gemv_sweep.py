@@ -1,6 +1,6 @@
 """The GEMV launch-configuration sweep: every (warps per block, unroll) pair of the tensor-core GEMV on
 the decode shapes, against F.linear and the device copy rate, to pick the defaults for a new GPU
-(`default_tuning` in kernels/gemv.cu).
+(`default_tuning` in kernels/dense/gemv.cu).
 
     python -m minfer.bench.gemv_sweep --json out/gemv-sweep.json
     python -m minfer.bench.gemv_sweep --shapes 4096x4096 --tokens 1,8
@@ -38,7 +38,7 @@ def sweep_shape(n: int, k: int, tokens: int, dtype: torch.dtype, copy_gbs: float
     cublas_ms = time_graph(lambda i: F.linear(x, weights[i]), len(weights), replays=replays)
     rows = []
     for warps, unroll in [(0, 0), *CONFIGS]:
-        ms = time_graph(lambda i: ops.gemv(x, weights[i], out=out, warps_per_block=warps, unroll=unroll),
+        ms = time_graph(lambda i: ops.gemv_tuned(x, weights[i], out=out, warps_per_block=warps, unroll=unroll),
                         len(weights), replays=replays)
         rows.append({"shape": f"{n}x{k}", "tokens": tokens, "warps_per_block": warps, "unroll": unroll,
                      "config": "default" if warps == 0 else f"{warps}/{unroll}", "ms": ms,
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the GEMV sweep needs a CUDA GPU", file=sys.stderr)
         return 2
+    ops.build()
     env = report.environment()
     report.print_environment(env)
     copy_gbs = copy_bandwidth_gbs()

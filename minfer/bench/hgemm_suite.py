@@ -63,7 +63,7 @@ def measure(case: HgemmCase, dtype: torch.dtype, kernels=("auto",), replays: int
     expected = ys[0].float()
     for kernel in kernels:
         ys[0].fill_(float("nan"))
-        ms = time_graph(lambda i: ops.hgemm(xs[i], ws[i], out=ys[i], kernel=kernel), copies, replays=replays)
+        ms = time_graph(lambda i: ops.hgemm_tuned(xs[i], ws[i], out=ys[i], kernel=kernel), copies, replays=replays)
         error = ((ys[0].float() - expected).norm() / expected.norm()).item()
         result[kernel] = {
             "ms": ms,
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     ops.require_cuda("the HGEMM benchmark")
+    ops.build()
     kernels = args.kernels.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
     shapes = {name: LLAMA_SHAPES[name] for name in args.shapes.split(",")}

@@ -102,16 +102,17 @@ class Matrix:
     def time_macko(self, tokens: int, replays: int, tensor_cores: bool = False, **knobs) -> float:
         """ops.macko_spmv as given (no window table: the CUDA-core kernel for 2-16 tokens), or with
         `tensor_cores` the tensor-core SpMM at any token count (macko_spmv takes it from
-        MACKO_TENSOR_CORE_MIN_TOKENS when given the table)."""
+        MACKO_TENSOR_CORE_MIN_TOKENS when given the table); launch `knobs` go to the *_tuned op."""
         table = ops.macko_window_table(*self.arrays, self.k) if tensor_cores else None  # one for every copy
         copies = rotation_count(self.bytes(tokens) + (table.numel() * 4 if tensor_cores else 0))
         macko = rotated(self.arrays, copies)
         x = torch.randn(tokens, self.k, device="cuda", dtype=self.dtype)
         out = torch.empty(tokens, self.n, device="cuda", dtype=self.dtype)
         if tensor_cores:
-            return time_graph(lambda i: ops.macko_tensor_core_spmm(*macko[i], table, x, out, **knobs), copies,
-                              replays=replays)
-        return time_graph(lambda i: ops.macko_spmv(*macko[i], x, out=out, **knobs), copies, replays=replays)
+            spmm = ops.macko_tensor_core_spmm_tuned if knobs else ops.macko_tensor_core_spmm
+            return time_graph(lambda i: spmm(*macko[i], table, x, out, **knobs), copies, replays=replays)
+        spmv = ops.macko_spmv_tuned if knobs else ops.macko_spmv
+        return time_graph(lambda i: spmv(*macko[i], x, out=out, **knobs), copies, replays=replays)
 
     def time_dense(self, tokens: int, replays: int, op: Callable) -> float:
         weights = rotated((self.dense(),), rotation_count(2 * self.n * self.k))
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: the MACKO study needs a CUDA GPU", file=sys.stderr)
         return 2
+    ops.build()
     try:
         return study(args, sections)
     except MinferError as exc:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..attention import AttentionPass
 from ..corpus import corpus_lines
 from ..errors import MinferError
 from ..formats import DenseWeight
@@ -92,11 +93,20 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
     device = model.norm.weight.device
     seq_len = tokens.shape[1]
     model.setup_caches(batch_size, seq_len)
-    input_pos = torch.arange(seq_len, device=device)
     rope = (model.rope_cos, model.rope_sin)
     batches = tokens.to(device).split(batch_size)
     residuals = [model.embed_tokens(batch) for batch in batches]
+    with model.attention.forward_pass(torch.arange(seq_len, device=device), seq_len, seq_len) as step:
+        _prune_wanda_blocks(model, density, residuals, step, rope, progress)
 
+
+def _prune_wanda_blocks(model: nn.Module, density: float, residuals: list[torch.Tensor], step: AttentionPass,
+                        rope: tuple[torch.Tensor, torch.Tensor], progress: bool) -> None:
+    """Block by block: the input statistics of each projection, its pruning, then the block's outputs
+    (from its pruned weights) as the next block's inputs."""
+    from ..model import Linear
+
+    device = model.norm.weight.device
     for i, layer in enumerate(tqdm(list(model.layers), desc="wanda pruning", unit="block", disable=not progress)):
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
         squares = {name: torch.zeros(m.fmt.in_features, dtype=torch.float32, device=device)
@@ -113,7 +123,7 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
         hooks = [m.register_forward_pre_hook(accumulate(name), with_kwargs=True) for name, m in linears.items()]
         try:
             for r in residuals:  # statistics of the unpruned block
-                layer(r.clone(), input_pos, seq_len, None, rope)
+                layer(r.clone(), step, rope)
         finally:
             for h in hooks:
                 h.remove()
@@ -121,7 +131,7 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
             weight = _dense_weight(m, f"layers.{i}.{name}")
             prune_by_score_(weight, wanda_score(weight, squares[name].sqrt()), density)
         for r in residuals:  # the next block's inputs come from this block, pruned (updated in place)
-            layer(r, input_pos, seq_len, None, rope)
+            layer(r, step, rope)
 
 
 def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | Path | None = None) -> torch.Tensor:

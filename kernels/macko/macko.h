@@ -2,7 +2,7 @@
 // A matrix of `rows` x `cols` is stored as `values` (P fp16/bf16, P % 8 == 0), `deltas` (P/2 bytes,
 // 4-bit column gaps, low nibble first) and `row_ptr` (rows + 1 int32). Framework-free launchers.
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

@@ -1,7 +1,7 @@
 // Greedy decoding: out[b] = index of the largest logits[b, :] (first one on ties, NaN counts as largest,
 // as torch.argmax does).
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

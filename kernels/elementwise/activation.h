@@ -1,6 +1,6 @@
 // SiLU-and-mul for the Llama MLP: out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i].
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

@@ -5,7 +5,7 @@
 #include <climits>
 
 #include "argmax.h"
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 
 namespace minfer {
 

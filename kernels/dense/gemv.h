@@ -1,6 +1,6 @@
 // Decode GEMV: out[t, n] = sum_k w[n, k] * x[t, k] for 1..8 tokens; w is row-major [N, K] (HF layout).
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

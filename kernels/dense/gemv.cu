@@ -9,7 +9,7 @@
 // MLP's [gate; up] matrix a tile takes gate rows 8i..8i+7 as its rows 0-7 and the matching up rows
 // as rows 8-15, so the lane that holds a gate output also holds its up output and writes silu(gate) * up.
 #include "gemv.h"
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 
 namespace minfer {
 

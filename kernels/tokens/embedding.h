@@ -2,7 +2,7 @@
 // memory, or page-locked host memory, which the GPU reads directly under unified addressing. A
 // table in host memory costs no GPU memory; a decode step then reads one row over PCIe.
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

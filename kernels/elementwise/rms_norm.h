@@ -1,6 +1,6 @@
 // RMSNorm with HF LlamaRMSNorm numerics, optionally fused with the residual add.
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

@@ -1,5 +1,5 @@
 #include "rms_norm.h"
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 
 #include <algorithm>
 

@@ -6,7 +6,7 @@
 // workspace: the last block of each KV head to finish (an arrival counter) does the final merge.
 // The first ring steps are issued before the PDL wait, so the loads overlap the previous kernels.
 #include "decode_attention.h"
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 
 #include <algorithm>
 #include <cstring>

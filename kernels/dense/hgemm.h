@@ -2,7 +2,7 @@
 // Two paths: wgmma + TMA on sm_90a (hgemm_sm90.cu), mma.sync + cp.async on sm_80+ (hgemm_sm80.cu).
 // Rows of x, w and y must start on 16 bytes: N and K multiples of 8, base pointers 16-byte aligned.
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

@@ -1,5 +1,5 @@
 #include "activation.h"
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 
 namespace minfer {
 

@@ -3,7 +3,7 @@
 // of a row inside one column window), lane l holding 8 consecutive entries per warp step, with the next
 // group of loads in flight while the current one is decoded and handed to a consumer.
 #pragma once
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 
 namespace minfer {
 

@@ -1,6 +1,6 @@
 // HF half-split rotary embedding (rotate_half) fused with the KV-cache write.
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

@@ -4,7 +4,7 @@
 #include <type_traits>
 
 #include "hgemm.h"
-#include "device_utils.cuh"
+#include "common/device_utils.cuh"
 #include "hgemm_common.cuh"
 
 namespace minfer {

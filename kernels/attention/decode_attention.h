@@ -1,6 +1,6 @@
 // Split-K flash-decoding over the static KV cache, with grouped-query attention.
 #pragma once
-#include "launch.h"
+#include "common/launch.h"
 
 namespace minfer {
 

@@ -1,0 +1,76 @@
+"""minfer's ops: one module per kernel family (kernels/<family>/ beside minfer/ops/<family>.py), and
+`runtime`, which builds the extension and holds the backend choice.
+
+Each op has three parts kept side by side:
+- `<op>_reference`: pure PyTorch, the CPU path and the test oracle;
+- a fake (meta) implementation, so the op works under torch.compile and CUDA-graph capture;
+- `<op>`: the wrapper the engine calls; it runs the CUDA kernel when the tensors live on a GPU and
+  the "minfer" backend is active, and the reference otherwise. `<op>_tuned` variants pin the launch
+  knobs that sweeps and benchmarks vary.
+
+`python -m minfer.ops --build` compiles every kernel (for sm_90a when no GPU is present).
+"""
+
+from .attention import (
+    DECODE_ATTENTION_MAX_SPLITS,
+    decode_attention,
+    decode_attention_reference,
+    decode_attention_splits,
+    decode_attention_supports,
+    decode_attention_workspace,
+)
+from .dense import GEMV_MAX_TOKENS, HGEMM_KERNELS, gemv, gemv_tuned, hgemm, hgemm_tuned, linear_reference
+from .elementwise import (
+    add_rms_norm,
+    rms_norm,
+    rms_norm_reference,
+    rope_write_kv,
+    rope_write_kv_reference,
+    silu_mul,
+    silu_mul_reference,
+)
+from .macko import (
+    MACKO_FUSED_MAX_COLS,
+    MACKO_SPMM_MAX_TOKENS,
+    MACKO_TENSOR_CORE_MAX_COLS,
+    MACKO_TENSOR_CORE_MIN_TOKENS,
+    MACKO_TILE_ROWS,
+    MACKO_WINDOW_COLS,
+    check_macko_arrays,
+    macko_decompress,
+    macko_decompress_reference,
+    macko_k_splits,
+    macko_spmv,
+    macko_spmv_reference,
+    macko_spmv_tuned,
+    macko_tensor_core_spmm,
+    macko_tensor_core_spmm_tuned,
+    macko_uses_tensor_cores,
+    macko_window_table,
+    unpack_nibbles,
+)
+from .runtime import (
+    BACKENDS,
+    backend,
+    build,
+    build_for,
+    current_backend,
+    kernels_run_on,
+    require_cuda,
+    target_arch_list,
+    use_kernels,
+)
+from .tokens import argmax, argmax_reference, embedding, embedding_reference
+
+__all__ = [
+    "BACKENDS", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
+    "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS", "MACKO_TILE_ROWS",
+    "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "build", "build_for",
+    "check_macko_arrays", "current_backend", "decode_attention", "decode_attention_reference",
+    "decode_attention_splits", "decode_attention_supports", "decode_attention_workspace", "embedding",
+    "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned", "kernels_run_on", "linear_reference",
+    "macko_decompress", "macko_decompress_reference", "macko_k_splits", "macko_spmv", "macko_spmv_reference",
+    "macko_spmv_tuned", "macko_tensor_core_spmm", "macko_tensor_core_spmm_tuned", "macko_uses_tensor_cores",
+    "macko_window_table", "require_cuda", "rms_norm", "rms_norm_reference", "rope_write_kv",
+    "rope_write_kv_reference", "silu_mul", "silu_mul_reference", "target_arch_list", "unpack_nibbles", "use_kernels",
+]

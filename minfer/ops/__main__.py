@@ -1,0 +1,5 @@
+import sys
+
+from .runtime import main
+
+sys.exit(main())

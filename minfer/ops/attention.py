@@ -1,0 +1,120 @@
+"""Attention over the static KV cache (kernels/attention): split-K flash-decoding with GQA, one query
+token per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MinferError
+from .runtime import fake_impl, use_kernels
+
+# kernels/attention/decode_attention.h
+DECODE_ATTENTION_MAX_SPLITS = 256  # kDecodeAttnMaxSplits
+DECODE_ATTENTION_MAX_GROUP = 16  # kDecodeAttnMaxGroup: query heads per KV head
+DECODE_ATTENTION_SPLIT_ROWS = 64  # kDecodeAttnWarps x kDecodeAttnStepRows: a split covers whole rounds of these
+DECODE_ATTENTION_HEAD_DIMS = (64, 128)
+DECODE_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in DECODE_ATTENTION_DTYPES and head_dim in DECODE_ATTENTION_HEAD_DIMS
+
+
+def _group_fits(num_heads: int, num_kv_heads: int) -> bool:
+    return num_heads % num_kv_heads == 0 and num_heads <= DECODE_ATTENTION_MAX_GROUP * num_kv_heads
+
+
+def decode_attention_supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the CUDA kernel runs this attention shape (decode_attention takes the reference for
+    other dtypes and head sizes)."""
+    return _kernel_takes(dtype, head_dim) and _group_fits(num_heads, num_kv_heads)
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               input_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence, q [B, Hq, D], over cache positions 0..input_pos[0] (clamped into
+    the cache) of [B, Hkv, S, D] caches; query head h reads KV head h // (Hq / Hkv). Computed in fp32
+    (or wider) without a host sync; positions past the live length are never used, even if NaN."""
+    batch, q_heads, _ = q.shape
+    kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    last = input_pos.reshape(-1)[0].clamp(0, max_seq_len - 1)
+    live = (torch.arange(max_seq_len, device=q.device) <= last)[:, None]  # [S, 1]
+    k = torch.where(live, k_cache.to(wide), 0.0).repeat_interleave(q_heads // kv_heads, dim=1)
+    v = torch.where(live, v_cache.to(wide), 0.0).repeat_interleave(q_heads // kv_heads, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
+    scores = scores.masked_fill(~live[:, 0], float("-inf"))
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
+
+
+def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str) -> int:
+    """Splits per (batch, KV head) that give each SM one block; on the H100, 2x and 3x as many were
+    slower at every context tried (more merge work, no more bandwidth)."""
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    most_useful = -(-max_seq_len // DECODE_ATTENTION_SPLIT_ROWS)
+    return max(1, min(sms // (batch * num_kv_heads), most_useful, DECODE_ATTENTION_MAX_SPLITS))
+
+
+def _decode_attention_counter_floats(batch: int, num_kv_heads: int) -> int:
+    return -(-batch * num_kv_heads // 4) * 4
+
+
+def decode_attention_workspace(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                               device: torch.device | str, num_splits: int | None = None) -> torch.Tensor:
+    """The zeroed fp32 buffer decode_attention keeps its per-split partials in; allocate it once per
+    model (all layers can share it) and pass it to every call, so decode allocates nothing."""
+    if num_splits is None:
+        num_splits = decode_attention_splits(batch, num_kv_heads, max_seq_len, device)
+    if not 1 <= num_splits <= DECODE_ATTENTION_MAX_SPLITS:
+        raise MinferError(f"num_splits must be in 1..{DECODE_ATTENTION_MAX_SPLITS}, got {num_splits}")
+    floats = _decode_attention_counter_floats(batch, num_kv_heads) + batch * num_heads * num_splits * (head_dim + 1)
+    return torch.zeros(floats, dtype=torch.float32, device=device)
+
+
+def _decode_attention_workspace_splits(workspace: torch.Tensor, batch: int, num_heads: int, num_kv_heads: int,
+                                       head_dim: int) -> int:
+    per_split = batch * num_heads * (head_dim + 1)
+    splits, rest = divmod(workspace.numel() - _decode_attention_counter_floats(batch, num_kv_heads), per_split)
+    if rest or not 1 <= splits <= DECODE_ATTENTION_MAX_SPLITS:
+        raise MinferError(f"the decode_attention workspace ({workspace.numel()} floats) does not fit B={batch}, "
+                          f"Hq={num_heads}, Hkv={num_kv_heads}, D={head_dim}; make it with decode_attention_workspace()")
+    return splits
+
+
+
+@fake_impl("minfer::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits):
+    return None
+
+
+@fake_impl("minfer::decode_attention_tuned")
+def _decode_attention_tuned_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages):
+    return None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                     scale: float, out: torch.Tensor | None = None,
+                     workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, D] (one token per sequence) over cache positions 0..input_pos[0].
+
+    input_pos is an int64 device tensor of one element, so a captured graph stays valid as the
+    context grows. float16/bfloat16 with D 64 or 128 run the CUDA kernel, which reads each KV head
+    once for all its query heads; float32 and other head dims run the reference (parity tests, tiny
+    models). `workspace` comes from decode_attention_workspace(); without one, each call allocates.
+    """
+    if out is None:
+        out = q.new_empty(q.shape)
+    if use_kernels(q) and _kernel_takes(q.dtype, q.shape[-1]):
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+        if not _group_fits(num_heads, num_kv_heads):
+            raise MinferError(f"the decode_attention kernel takes 1..{DECODE_ATTENTION_MAX_GROUP} query heads per KV "
+                              f"head, got Hq={num_heads}, Hkv={num_kv_heads}; ops.backend('torch') runs the reference")
+        if workspace is None:
+            workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device)
+        splits = _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
+        torch.ops.minfer.decode_attention(q, k_cache, v_cache, input_pos, scale, out, workspace, splits)
+    else:
+        out.copy_(decode_attention_reference(q, k_cache, v_cache, input_pos, scale))
+    return out
+
