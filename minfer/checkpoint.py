@@ -1,9 +1,10 @@
-"""Find a model (alias, HF repo id, local folder or the embedded demo), then fill a Transformer
-built on the meta device with its weights: from safetensors, or seeded random numbers.
+"""Find a model (alias, HF repo id, local folder, GGUF file or the embedded demo), then fill a
+Transformer built on the meta device with its weights: from safetensors, GGUF (`gguf_source`), or
+seeded random numbers.
 
 Every weight is allocated once, on the target device and in the target dtype, and filled tensor by
 tensor from memory-mapped safetensors; q/k/v and gate/up are written as row slices straight into
-the preallocated fused qkv_proj and gate_up_proj matrices. Only safetensors are read: never pickle.
+the preallocated fused qkv_proj and gate_up_proj matrices. Only safetensors and GGUF are read: never pickle.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 class ResolvedModel:
     name: str  # what the user asked for
     config: ModelConfig
-    path: Path | None  # folder holding the safetensors; None means random weights built in place
+    path: Path | None  # folder holding the safetensors, or a GGUF file; None means no weights to read
     tokenizer_path: Path
     is_random: bool  # the weights are random numbers: the output text means nothing
 
@@ -49,50 +51,59 @@ class ResolvedModel:
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
-    """`model`: None or "minfer-demo" (the embedded demo), an alias, a local folder, or an HF repo id.
-    `weights`: "hf" loads the checkpoint's safetensors, "random" builds its architecture with
-    seeded random weights (aliases need no download; other models fetch config.json only), "none"
-    takes only the config and the model's own tokenizer, for weights that come from elsewhere
-    (path None, not random)."""
-    from .demo import DEMO_NAME, demo_checkpoint_dir
+def resolve(model: str | None, weights: str = "hf", tokenizer: str | Path | None = None) -> ResolvedModel:
+    """`model`: None or a name of the embedded demo (stories260K), an alias, a local folder, a GGUF
+    file or an HF repo id. `weights`: "hf" loads the checkpoint's weights, "random" builds its
+    architecture with seeded random weights (aliases need no download; other models fetch
+    config.json only), "none" takes only the config and the model's own tokenizer, for weights that
+    come from elsewhere (path None, not random). `tokenizer`: a tokenizer file to use instead of the
+    model's own (a GGUF file's is the tokenizer.model beside it)."""
+    from .demo import DEMO_DIR, DEMO_NAME, DEMO_NAMES
 
     if weights not in ("hf", "random", "none"):
         raise CheckpointError(f"weights must be 'hf', 'random' or 'none', got {weights!r}")
-    if model is None or model == DEMO_NAME:
-        folder = demo_checkpoint_dir()
-        return ResolvedModel(DEMO_NAME, ModelConfig.from_json(folder / "config.json"),
-                             None if weights == "none" else folder, folder / "tokenizer.model",
-                             is_random=weights != "none")
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise CheckpointError(f"--tokenizer {tokenizer} is not a file; pass a tokenizer.model or tokenizer.json")
+    if model is None or model in DEMO_NAMES:
+        return _resolve_folder(DEMO_NAME, DEMO_DIR, weights, tokenizer)
     if model in ALIASES and weights == "random":
-        return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None, bundled_tokenizer_path(),
-                             is_random=True)
+        return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None,
+                             Path(tokenizer or bundled_tokenizer_path()), is_random=True)
     local = Path(model).expanduser()
     if local.is_dir():
         folder = local
+    elif local.is_file() and local.suffix.lower() == ".gguf":
+        from .gguf_source import GGUFCheckpoint, find_tokenizer as gguf_tokenizer
+
+        return ResolvedModel(model, GGUFCheckpoint(local).config, local if weights == "hf" else None,
+                             gguf_tokenizer(local, tokenizer), is_random=weights == "random")
     elif model in ALIASES or _REPO_ID.match(model):
         folder = download(ALIASES.get(model, model), with_weights=weights == "hf")
     elif local.is_file():
         raise CheckpointError(f"{model} is a file, not a checkpoint folder; pass a folder holding config.json and "
-                              "*.safetensors (a macko_spmv compressed checkpoint file loads with --macko-reference "
-                              "FILE beside --model naming its dense model)")
+                              "*.safetensors, or a .gguf file (a macko_spmv compressed checkpoint file loads with "
+                              "--macko-reference FILE beside --model naming its dense model)")
     elif local.exists() or os.sep in model or model.startswith((".", "~")):
         raise CheckpointError(f"{model} is not a directory; pass a folder holding config.json and *.safetensors")
     else:
         names = ", ".join([DEMO_NAME, *ALIASES])
-        raise UnknownModelError(f"unknown model {model!r}: use one of {names}, an HF repo id (owner/name) "
-                                "or a local checkpoint folder")
+        raise UnknownModelError(f"unknown model {model!r}: use one of {names}, an HF repo id (owner/name), "
+                                "a local checkpoint folder or a .gguf file")
+    return _resolve_folder(model, folder, weights, tokenizer)
+
+
+def _resolve_folder(name: str, folder: Path, weights: str, tokenizer: str | Path | None) -> ResolvedModel:
     config = ModelConfig.from_json(folder / "config.json")
     if weights == "random":
-        tokenizer = find_tokenizer(folder, required=False) or bundled_tokenizer_path()
-        return ResolvedModel(model, config, None, tokenizer, is_random=True)
+        tokenizer = tokenizer or find_tokenizer(folder, required=False) or bundled_tokenizer_path()
+        return ResolvedModel(name, config, None, Path(tokenizer), is_random=True)
+    tokenizer = Path(tokenizer or find_tokenizer(folder, required=True))
     if weights == "none":
-        return ResolvedModel(model, config, None, find_tokenizer(folder, required=True), is_random=False)
+        return ResolvedModel(name, config, None, tokenizer, is_random=False)
     weight_files(folder)  # fail now, before any allocation, if there is nothing to load
     from .sparsity.compressed import holds_random_weights
 
-    return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True),
-                         is_random=holds_random_weights(folder))
+    return ResolvedModel(name, config, folder, tokenizer, is_random=holds_random_weights(folder))
 
 
 def find_tokenizer(folder: Path, required: bool) -> Path | None:
@@ -216,6 +227,10 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device
         return random_init(model, seed, dtype, device)
     from .sparsity.compressed import is_compressed, load_compressed
 
+    if resolved.path.is_file():  # resolve() takes files only as GGUF
+        from .gguf_source import load_gguf
+
+        return load_gguf(model, resolved.path, dtype, device, progress)
     if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats
         return load_compressed(model, resolved.path, dtype, device, progress)
     return load_weights(model, resolved.path, dtype, device, progress)
@@ -244,11 +259,19 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
             stored = tuple(handles[files[name]].get_slice(name).get_shape())
             if stored != shape:
                 raise CheckpointError(f"tensor {name} in {files[name].name} has shape {stored}, expected {shape}")
-        targets = _targets(model, dtype, device)
-        with torch.no_grad():
-            for name, (target, row, shape) in tqdm(layout.items(), desc="loading", unit="tensor", disable=not progress):
-                source = handles[files[name]].get_tensor(name)  # one tensor at a time, from the mmap
-                targets[target][row:row + shape[0]].copy_(source)
+        # one tensor at a time, from the mmap
+        return copy_weights(model, lambda name: handles[files[name]].get_tensor(name), dtype, device, progress)
+
+
+def copy_weights(model: nn.Module, read: Callable[[str], torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str, progress: bool = False) -> nn.Module:
+    """Allocate a meta-built Transformer on `device` and copy each HF-named tensor `read(name)` into
+    its place (cast to `dtype`); the caller has checked that every tensor is there in its shape."""
+    targets = _targets(model, dtype, device)
+    with torch.no_grad():
+        for name, (target, row, shape) in tqdm(hf_tensor_map(model.config).items(), desc="loading", unit="tensor",
+                                               disable=not progress):
+            targets[target][row:row + shape[0]].copy_(read(name))
     return model
 
 
