@@ -273,12 +273,18 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 yield name, module
 
+    def _linear_and_norm_bytes(self) -> int:
+        linears = sum(m.fmt.nbytes for m in self.modules() if isinstance(m, Linear))
+        return linears + sum(m.weight.nbytes for m in self.modules() if isinstance(m, RMSNorm))
+
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: every linear in its current format, the norms, one embedding row."""
-        linears = sum(m.fmt.nbytes for m in self.modules() if isinstance(m, Linear))
-        norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
-        embedding_row = self.embed_tokens.weight[0].numel() * self.embed_tokens.weight.element_size()
-        return linears + norms + embedding_row
+        return self._linear_and_norm_bytes() + self.embed_tokens.weight[0].nbytes
+
+    def weight_bytes(self) -> int:
+        """Bytes all weights take in their current formats (a tied embedding counted once, as lm_head)."""
+        embedding = 0 if self.config.tie_word_embeddings else self.embed_tokens.weight.nbytes
+        return self._linear_and_norm_bytes() + embedding
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None) -> None:

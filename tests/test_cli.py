@@ -49,6 +49,16 @@ def assert_input_error(result: subprocess.CompletedProcess, *fragments: str) -> 
         assert fragment in lines[0]
 
 
+def in_process(app, argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """An app's main(argv) run in this process, with its exit code and output as a subprocess gives them."""
+    try:
+        code = app.main(argv)
+    except SystemExit as exit_:  # argparse rejects a flag
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
 def tiny_random_model(dtype: torch.dtype = torch.float32) -> Transformer:
     config = ModelConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                          intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
