@@ -74,11 +74,12 @@ def local_checkpoint(tmp_path_factory):
     return folder
 
 
-def test_no_flags_runs_the_demo_and_says_it_is_random():
-    result = cli("--max-new-tokens", "12")
+def test_no_flags_tells_the_demo_story():
+    result = cli("--max-new-tokens", "60")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("The harbour town wakes before the sun does.")
-    assert "RANDOM weights" in result.stderr and "--model tinyllama-1.1b" in result.stderr
+    assert result.stdout.startswith("Once upon a time, there was a little girl named Lily. She loved to play outside "
+                                    "in the park.")
+    assert "stories260K" in result.stderr and "RANDOM" not in result.stderr
     for stat in ("prefill", "time to first token", "tok/s", "GB/s", "peak GPU memory"):
         assert stat in result.stderr
 
@@ -129,8 +130,8 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--max-seq-len", "100000"], ["--max-seq-len must be in [2, 1024]"]),
-    (["--max-seq-len", "0"], ["--max-seq-len must be in [2, 1024]", "got 0"]),
+    (["--max-seq-len", "100000"], ["--max-seq-len must be in [2, 2048]"]),
+    (["--max-seq-len", "0"], ["--max-seq-len must be in [2, 2048]", "got 0"]),
     (["--dtype", "int8"], ["--dtype", "invalid choice"]),
     (["--sparse", "bogus"], ["--sparse", "invalid choice"]),
     (["--device", "tpu"], ["'tpu' is not"]),
@@ -139,11 +140,11 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--max-new-tokens", "many"], ["invalid int value"]),
     (["--embedding", "host", "--backend", "torch"], ["--embedding host needs --backend minfer"]),
     (["--embedding", "disk"], ["--embedding", "invalid choice"]),
-    (["--sparse", "macko"], ["random weights have no zeros", "--density"]),
+    (["--weights", "random", "--sparse", "macko"], ["random weights have no zeros", "--density"]),
     (["--sparse", "macko", "--prune", "wanda"], ["--prune sets how --density prunes"]),
     (["--sparse", "macko", "--density", "0.5", "--calib-samples", "2"], ["--calib-samples", "add --prune wanda"]),
     (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-seq-len", "5000"],
-     ["--calib-seq-len 5000 exceeds the 1024 positions"]),
+     ["--calib-seq-len 5000 exceeds the 2048 positions"]),
     (["--sparse", "macko", "--density", "1.5"], ["density must be in (0, 1]"]),
     (["--sparse", "macko", "--density", "0.5", "--save-compressed", str(APP)], ["--save-compressed", "is not a folder"]),
     (["--macko-reference", "/no/such/file"], ["--macko-reference /no/such/file does not exist"]),
@@ -176,12 +177,6 @@ def test_missing_files_in_a_local_checkpoint(tmp_path, local_checkpoint):
     shutil.copytree(local_checkpoint, broken)
     next(broken.glob("model-00002-*.safetensors")).unlink()
     assert_input_error(cli("--model", str(broken), "--device", "cpu"), "model-00002-", "is missing")
-
-
-def test_unwritable_cache_dir(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    assert_input_error(cli("--device", "cpu", env={"MINFER_CACHE_DIR": str(blocker / "cache")}), "MINFER_CACHE_DIR")
 
 
 def test_cuda_without_a_gpu():
