@@ -97,13 +97,14 @@ def _resolve_folder(name: str, folder: Path, weights: str, tokenizer: str | Path
     if weights == "random":
         tokenizer = tokenizer or find_tokenizer(folder, required=False) or bundled_tokenizer_path()
         return ResolvedModel(name, config, None, Path(tokenizer), is_random=True)
-    tokenizer = Path(tokenizer or find_tokenizer(folder, required=True))
     if weights == "none":
-        return ResolvedModel(name, config, None, tokenizer, is_random=False)
+        return ResolvedModel(name, config, None, Path(tokenizer or find_tokenizer(folder, required=True)),
+                             is_random=False)
     weight_files(folder)  # fail now, before any allocation, if there is nothing to load
     from .sparsity.compressed import holds_random_weights
 
-    return ResolvedModel(name, config, folder, tokenizer, is_random=holds_random_weights(folder))
+    return ResolvedModel(name, config, folder, Path(tokenizer or find_tokenizer(folder, required=True)),
+                         is_random=holds_random_weights(folder))
 
 
 def find_tokenizer(folder: Path, required: bool) -> Path | None:

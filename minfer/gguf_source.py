@@ -138,9 +138,9 @@ class GGUFCheckpoint:
             hf["head_dim"] = self._field(f"{arch}.attention.key_length")
         config = ModelConfig.from_hf(hf)
         rotary = self._field(f"{arch}.rope.dimension_count", config.head_dim)
-        if rotary != config.head_dim:
+        if rotary != config.head_dim or rotary % 2:
             raise CheckpointError(f"{self.path} rotates {rotary} of each head's {config.head_dim} dimensions; "
-                                  "minfer's Llama rotates them all")
+                                  "minfer's Llama rotates them all, in pairs")
         return config
 
     def _output_is_tied(self) -> bool:
@@ -163,6 +163,10 @@ class GGUFCheckpoint:
 
     def shape(self, hf_name: str) -> tuple[int, ...]:
         return self._shape(self._names[hf_name])
+
+    def dtype(self, hf_name: str) -> torch.dtype:
+        """The dtype a tensor is stored in."""
+        return FLOAT_TYPES[self._tensors[self._names[hf_name]].tensor_type.name]
 
     def tensor(self, hf_name: str) -> torch.Tensor:
         """A tensor under its HF name in the HF layout: q and k rows in rotate-halves order."""
@@ -196,10 +200,9 @@ def find_tokenizer(path: Path, tokenizer: str | Path | None) -> Path:
 def save_as_hf(path: str | Path, folder: str | Path) -> Path:
     """Write the model of a GGUF file to `folder` as an HF checkpoint (config.json, model.safetensors),
     in the dtype its embedding is stored in; the same file always gives the same bytes."""
-    from .checkpoint import save_hf
+    from .checkpoint import copy_weights, save_hf
     from .model import Transformer
 
     checkpoint = GGUFCheckpoint(path)
-    dtype = checkpoint.tensor("model.embed_tokens.weight").dtype
-    model = load_gguf(Transformer(checkpoint.config), path, dtype, "cpu")
-    return save_hf(model, folder)
+    dtype = checkpoint.dtype("model.embed_tokens.weight")
+    return save_hf(copy_weights(Transformer(checkpoint.config), checkpoint.tensor, dtype, "cpu"), folder)
