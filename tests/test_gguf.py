@@ -19,7 +19,8 @@ from minfer.generate import Generator
 from minfer.gguf_source import GGUFCheckpoint, gguf_name, save_as_hf
 from minfer.model import Transformer
 from minfer.tokenizer import Tokenizer
-from tests.test_cli import APP, assert_input_error, in_process, load_app
+from tests.conftest import requires_cuda
+from tests.test_cli import APP, assert_input_error, cli, in_process, load_app
 
 TOKENIZER = DEMO_DIR / "tokenizer.model"
 
@@ -121,6 +122,14 @@ def test_greedy_decoding_tells_the_documented_story(demo):
     tokenizer = Tokenizer(TOKENIZER)
     text = DEMO_PROMPT + tokenizer.decode(greedy(demo, tokenizer, DEMO_PROMPT, 60))
     assert text.startswith(STORY), text
+
+
+@requires_cuda
+def test_the_default_tells_its_story_on_the_gpu():
+    """float16 through minfer's kernels; decode attention has no kernel for head_dim 8 and runs its reference."""
+    result = cli("--device", "cuda", "--max-new-tokens", "60")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(STORY[:STORY.index(" One day")]), result.stdout
 
 
 def test_logits_equal_transformers(demo):

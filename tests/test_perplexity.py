@@ -14,14 +14,15 @@ from minfer.demo import corpus_lines
 from minfer.errors import MinferError
 from minfer.perplexity import DEFAULT_TEXT, text_windows
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
+from tests.conftest import requires_cuda
 from tests.test_cli import assert_input_error, in_process, load_app
 from tests.tiny_llama import VARIANTS, hf_tiny_llama, save_sharded
 
 APP = Path(__file__).resolve().parent.parent / "apps" / "evaluate.py"
 
 
-def evaluate(capsys, *argv: str) -> dict:
-    result = in_process(load_app(APP), ["--device", "cpu", "--json", *argv], capsys)
+def evaluate(capsys, *argv: str, device: str = "cpu") -> dict:
+    result = in_process(load_app(APP), ["--device", device, "--json", *argv], capsys)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -63,6 +64,23 @@ def test_pruning_the_demo_model_costs_perplexity(capsys):
     assert out["model"] == "stories260K" and out["text"] == str(DEFAULT_TEXT) and out["windows"] >= 20
     assert math.isfinite(dense["perplexity"]) and 1 < dense["perplexity"] < pruned["perplexity"]
     assert pruned["weight_bytes"] < dense["weight_bytes"] and pruned["sparsity"]["density"] == 0.5
+
+
+@requires_cuda
+@pytest.mark.parametrize("flags", [(), ("--sparse", "macko", "--density", "0.5")])
+def test_gpu_kernels_agree_with_the_cpu_references(capsys, flags):
+    """float16 on the GPU (minfer's kernels, head_dim 8 included) against float32 on the CPU."""
+    [cpu] = evaluate(capsys, *flags)["results"]
+    [gpu] = evaluate(capsys, *flags, device="cuda")["results"]
+    assert abs(gpu["perplexity"] - cpu["perplexity"]) / cpu["perplexity"] < 1e-2
+
+
+def test_help_lists_the_flags(capsys):
+    result = in_process(load_app(APP), ["--help"], capsys)
+    assert result.returncode == 0
+    for flag in ("--model", "--tokenizer", "--text", "--seq-len", "--compare-dense", "--json", "--sparse",
+                 "--density", "--prune", "--device", "--dtype"):
+        assert flag in result.stdout
 
 
 def test_the_default_text_is_a_few_thousand_words():
