@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from minfer.app_io import ArgumentParser, run_main  # noqa: E402
+from minfer.cli import ArgumentParser, run_main  # noqa: E402
 from minfer import ops  # noqa: E402
 from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402

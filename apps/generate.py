@@ -1,21 +1,25 @@
 """Generate text with minfer.
 
-With no flags it runs the embedded demo (a tiny random-weight Llama and the bundled tokenizer),
-offline, on the GPU if there is one. Generated text streams to stdout; notes and stats go to stderr.
+With no flags it runs the embedded default, stories260K (a tiny Llama trained on children's
+stories), offline, on the GPU if there is one, and tells a short story. Generated text streams to
+stdout; notes and stats go to stderr.
 
 Examples:
   python apps/generate.py
+  python apps/generate.py --prompt "The little dog" --temperature 0.8 --seed 3
+  python apps/generate.py --model stories260K.gguf --tokenizer tok512.model
   python apps/generate.py --model llama2-7b --weights random --max-new-tokens 256
   HF_TOKEN=hf_... python apps/generate.py --model llama2-7b-chat --chat --prompt "Name three rivers."
   python apps/generate.py --model tinyllama-1.1b --temperature 0.8 --top-p 0.95 --prompt "The ocean"
   python apps/generate.py --model /path/to/hf-checkpoint --dtype bfloat16 --json
-  python apps/generate.py --model llama2-7b --weights random --sparse macko --density 0.5
+  python apps/generate.py --sparse macko --density 0.7
   python apps/generate.py --model llama2-7b --sparse macko --density 0.5 --prune wanda --save-compressed ./l7-macko
   python apps/generate.py --model ./l7-macko
 
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
-A local folder with config.json, *.safetensors and tokenizer.model works offline.
+A local folder with config.json, *.safetensors and tokenizer.model works offline, as does a Llama
+GGUF file (F32, F16 or BF16 tensors) with its tokenizer.
 
 Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
 went away (e.g. `| head`).
@@ -32,44 +36,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import torch  # noqa: E402
 
-from minfer import formats, ops  # noqa: E402
-from minfer.app_io import ArgumentParser, run_main  # noqa: E402
+from minfer import formats  # noqa: E402
+from minfer.cli import ArgumentParser, add_model_arguments, note, run_app, run_main  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
-from minfer.config import ALIASES  # noqa: E402
-from minfer.demo import DEMO_NAME  # noqa: E402
+from minfer.demo import DEMO_PROMPT  # noqa: E402
 from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator, check_prompt_ids  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
-from minfer.runtime import DEFAULT_MAX_SEQ_LEN, DTYPES, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
+from minfer.runtime import DEFAULT_MAX_SEQ_LEN, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
 from minfer.sampling import MIN_TEMPERATURE, SamplingParams  # noqa: E402
 from minfer.sparsity import cli as sparsity_cli  # noqa: E402
 from minfer.sparsity.report import report_summary  # noqa: E402
 from minfer.tokenizer import IncrementalDecoder, Tokenizer, require_utf8  # noqa: E402
 
-DEFAULT_PROMPT = "The harbour town wakes before the sun does."
-REAL_MODEL_HINT = ("for real text run a trained model, e.g. --model tinyllama-1.1b (about 2.2 GB, no login), "
-                   "--model llama2-7b-chat --chat with HF_TOKEN set, or --model /path/to/hf-checkpoint")
+REAL_MODEL_HINT = ("for real text run a trained model: the default (no --model), or e.g. --model tinyllama-1.1b "
+                   "(about 2.2 GB, no login), --model llama2-7b-chat --chat with HF_TOKEN set, or --model "
+                   "/path/to/hf-checkpoint")
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="apps/generate.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, metavar="NAME",
-                       help=f"alias ({', '.join(ALIASES)}), HF repo id (owner/name) or local folder "
-                            f"(default: {DEMO_NAME}, the embedded random-weight demo)")
-    model.add_argument("--weights", choices=("hf", "random"), default="hf",
-                       help="hf: the checkpoint's weights (downloaded if needed); random: the same architecture "
-                            "with seeded random weights, no download (default: hf)")
-    model.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                       help="weight and activation dtype (default: float16 on GPU, float32 on CPU)")
-    model.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    model.add_argument("--sparse", choices=formats.format_choices(), default=None,
-                       help="weight format of the attention and MLP projections (default: none = dense; a "
-                            "compressed model loads as stored)")
-    model.add_argument("--backend", choices=ops.BACKENDS, default=ops.current_backend(),
-                       help="minfer: our CUDA kernels on a GPU; torch: the plain-PyTorch path of the same model "
-                            "(default: %(default)s, or $MINFER_BACKEND)")
+    parser = ArgumentParser(prog="apps/generate.py", description=__doc__)
+    model = add_model_arguments(parser)
     model.add_argument("--embedding", choices=EMBEDDING_PLACES, default=None,
                        help="where the token embedding lives on a GPU run: host = pinned host memory, read one row "
                             "per step over PCIe, vocab x hidden weights less GPU memory (default with --backend "
@@ -79,7 +66,7 @@ def build_parser() -> ArgumentParser:
                             f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
     sparsity_cli.add_arguments(parser)
     text = parser.add_argument_group("generation")
-    text.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    text.add_argument("--prompt", default=DEMO_PROMPT, help="text to continue (default: %(default)r)")
     text.add_argument("--chat", action="store_true",
                       help="wrap the prompt in the Llama-2 chat template ([INST] ... [/INST])")
     text.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: %(default)s")
@@ -94,10 +81,6 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def note(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def run(args: argparse.Namespace) -> int:
     require_utf8(args.prompt, "--prompt")
     device = pick_device(args.device)
@@ -107,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if args.embedding == "host" and args.backend != "minfer":
         raise MinferError("--embedding host needs --backend minfer (its kernel reads the table from host memory)")
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    resolved = resolve(args.model, sparsity_cli.weights_source(args))
+    resolved = resolve(args.model, sparsity_cli.weights_source(args), args.tokenizer)
     sparsity_cli.check(args, resolved)
     config = resolved.config
     tokenizer = Tokenizer(resolved.tokenizer_path)
@@ -129,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
          f"{'random' if resolved.is_random else 'checkpoint'} weights, "
          f"{'projections as stored compressed' if stored else f'sparse={sparse}'}")
     if resolved.is_random:
-        what = "the embedded demo model" if resolved.name == DEMO_NAME else f"{resolved.name}'s architecture"
-        note(f"NOTE: {what} with RANDOM weights: the output below is meaningless random-weight text "
-             f"(it exercises the whole pipeline); {REAL_MODEL_HINT}.")
+        note(f"NOTE: {resolved.name}'s architecture with RANDOM weights: the output below is meaningless "
+             f"random-weight text (it exercises the whole pipeline); {REAL_MODEL_HINT}.")
         if config.vocab_size > tokenizer.vocab_size:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
@@ -176,20 +158,7 @@ def print_stats(stats, device: torch.device, is_random: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with ops.backend(args.backend):
-            return run(args)
-    except MinferError as e:
-        note(f"error: {e}")
-        return 2
-    except torch.OutOfMemoryError:
-        note("error: out of memory while loading or running the model; try a 16-bit --dtype, "
-             "a smaller --max-seq-len or a smaller model")
-        return 2
-    except KeyboardInterrupt:
-        note("\ninterrupted")
-        return 130
+    return run_app(run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer.bench import decode_timeline as timeline  # noqa: E402
-from minfer.app_io import ArgumentParser, run_main  # noqa: E402
+from minfer.cli import ArgumentParser, run_main  # noqa: E402
 from minfer import ops  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402

@@ -1,19 +1,18 @@
-"""Find a model (alias, HF repo id, local folder or the embedded demo), then fill a Transformer
-built on the meta device with its weights: from safetensors, or seeded random numbers.
+"""Find a model (alias, HF repo id, local folder, GGUF file or the embedded demo), then fill a
+Transformer built on the meta device with its weights: from safetensors, GGUF (`gguf_source`), or
+seeded random numbers.
 
 Every weight is allocated once, on the target device and in the target dtype, and filled tensor by
 tensor from memory-mapped safetensors; q/k/v and gate/up are written as row slices straight into
-the preallocated fused qkv_proj and gate_up_proj matrices. Only safetensors are read: never pickle.
+the preallocated fused qkv_proj and gate_up_proj matrices. Only safetensors and GGUF are read: never pickle.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .config import ALIASES, KNOWN_CONFIGS, ModelConfig
-from .demo import DEMO_CONFIG, DEMO_NAME, DEMO_SEED, cache_root
 from .errors import CheckpointError, MinferError, UnknownModelError
-from .model import Transformer
+from .gguf_source import GGUFCheckpoint
+from .gguf_source import find_tokenizer as gguf_tokenizer
+from .model import Transformer, hf_tensor_map
 from .safetensors_io import open_safetensors
 from .sparsity.compressed import holds_random_weights, is_compressed, load_compressed
 from .tokenizer import BUNDLED_TOKENIZER, bundled_tokenizer_path
@@ -38,6 +38,10 @@ INIT_STD = 0.02  # HF's initializer_range for Llama
 # Buffers some older checkpoints carry; minfer recomputes them.
 _IGNORED_TENSORS = re.compile(r".*\.rotary_emb\.inv_freq$")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# The embedded default: stories260K, shipped converted from its GGUF file (minfer.demo rebuilds it).
+DEMO_NAME = "stories260K"
+DEMO_NAMES = (DEMO_NAME, "minfer-demo")  # minfer-demo: the default's name before it had real weights
+DEMO_DIR = Path(__file__).resolve().parent / "assets" / DEMO_NAME
 # The safetensors dtypes a weight may be stored in (copied into the model's float dtype).
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
@@ -46,7 +50,7 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 class ResolvedModel:
     name: str  # what the user asked for
     config: ModelConfig
-    path: Path | None  # folder holding the safetensors; None means random weights built in place
+    path: Path | None  # folder holding the safetensors, or a GGUF file; None means no weights to read
     tokenizer_path: Path
     is_random: bool  # the weights are random numbers: the output text means nothing
 
@@ -56,79 +60,54 @@ class ResolvedModel:
 # ----------------------------------------------------------------------------------------------
 
 
-def resolve(model: str | None, weights: str = "hf") -> ResolvedModel:
-    """`model`: None or "minfer-demo" (the embedded demo), an alias, a local folder, or an HF repo id.
-    `weights`: "hf" loads the checkpoint's safetensors, "random" builds its architecture with
-    seeded random weights (aliases need no download; other models fetch config.json only), "none"
-    takes only the config and the model's own tokenizer, for weights that come from elsewhere
-    (path None, not random)."""
+def resolve(model: str | None, weights: str = "hf", tokenizer: str | Path | None = None) -> ResolvedModel:
+    """`model`: None or a name of the embedded demo (stories260K), an alias, a local folder, a GGUF
+    file or an HF repo id. `weights`: "hf" loads the checkpoint's weights, "random" builds its
+    architecture with seeded random weights (aliases need no download; other models fetch
+    config.json only), "none" takes only the config and the model's own tokenizer, for weights that
+    come from elsewhere (path None, not random). `tokenizer`: a tokenizer file to use instead of the
+    model's own (a GGUF file's is the tokenizer.model beside it)."""
     if weights not in ("hf", "random", "none"):
         raise CheckpointError(f"weights must be 'hf', 'random' or 'none', got {weights!r}")
-    if model is None or model == DEMO_NAME:
-        folder = demo_checkpoint_dir()
-        return ResolvedModel(DEMO_NAME, ModelConfig.from_json(folder / "config.json"),
-                             None if weights == "none" else folder, folder / "tokenizer.model",
-                             is_random=weights != "none")
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise CheckpointError(f"--tokenizer {tokenizer} is not a file; pass a tokenizer.model or tokenizer.json")
+    if model is None or model in DEMO_NAMES:
+        return _resolve_folder(DEMO_NAME, DEMO_DIR, weights, tokenizer)
     if model in ALIASES and weights == "random":
-        return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None, bundled_tokenizer_path(),
-                             is_random=True)
+        return ResolvedModel(model, ModelConfig.from_hf(KNOWN_CONFIGS[model]), None,
+                             Path(tokenizer or bundled_tokenizer_path()), is_random=True)
     local = Path(os.path.expanduser(model))  # os.path's leaves ~nosuchuser as it is; Path's raises
     if local.is_dir():
         folder = local
+    elif local.is_file() and local.suffix.lower() == ".gguf":
+        return ResolvedModel(model, GGUFCheckpoint(local).config, local if weights == "hf" else None,
+                             gguf_tokenizer(local, tokenizer), is_random=weights == "random")
     elif model in ALIASES or _REPO_ID.match(model):
         folder = download(ALIASES.get(model, model), with_weights=weights == "hf")
     elif local.is_file():
         raise CheckpointError(f"{model} is a file, not a checkpoint folder; pass a folder holding config.json and "
-                              "*.safetensors (a macko_spmv compressed checkpoint file loads with --macko-reference "
-                              "FILE beside --model naming its dense model)")
+                              "*.safetensors, or a .gguf file (a macko_spmv compressed checkpoint file loads with "
+                              "--macko-reference FILE beside --model naming its dense model)")
     elif local.exists() or os.sep in model or model.startswith((".", "~")):
         raise CheckpointError(f"{model} is not a directory; pass a folder holding config.json and *.safetensors")
     else:
         names = ", ".join([DEMO_NAME, *ALIASES])
-        raise UnknownModelError(f"unknown model {model!r}: use one of {names}, an HF repo id (owner/name) "
-                                "or a local checkpoint folder")
+        raise UnknownModelError(f"unknown model {model!r}: use one of {names}, an HF repo id (owner/name), "
+                                "a local checkpoint folder or a .gguf file")
+    return _resolve_folder(model, folder, weights, tokenizer)
+
+
+def _resolve_folder(name: str, folder: Path, weights: str, tokenizer: str | Path | None) -> ResolvedModel:
     config = ModelConfig.from_json(folder / "config.json")
     if weights == "random":
-        tokenizer = find_tokenizer(folder, required=False) or bundled_tokenizer_path()
-        return ResolvedModel(model, config, None, tokenizer, is_random=True)
+        tokenizer = tokenizer or find_tokenizer(folder, required=False) or bundled_tokenizer_path()
+        return ResolvedModel(name, config, None, Path(tokenizer), is_random=True)
     if weights == "none":
-        return ResolvedModel(model, config, None, find_tokenizer(folder, required=True), is_random=False)
+        return ResolvedModel(name, config, None, Path(tokenizer or find_tokenizer(folder, required=True)),
+                             is_random=False)
     weight_files(folder)  # fail now, before any allocation, if there is nothing to load
-    return ResolvedModel(model, config, folder, find_tokenizer(folder, required=True),
+    return ResolvedModel(name, config, folder, Path(tokenizer or find_tokenizer(folder, required=True)),
                          is_random=holds_random_weights(folder))
-
-
-def demo_checkpoint_dir() -> Path:
-    """The cached demo checkpoint (minfer.demo's recipe), built on first use. The folder name hashes
-    everything that determines its contents, so a changed config or seed builds a new one."""
-    recipe = json.dumps({"config": DEMO_CONFIG.to_hf(), "seed": DEMO_SEED, "torch": torch.__version__.split("+")[0]},
-                        sort_keys=True)
-    folder = cache_root() / f"demo-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
-    if not (folder / "model.safetensors").is_file():
-        try:
-            _build_demo_checkpoint(folder)
-        except OSError as e:
-            raise MinferError(f"cannot write the demo checkpoint under {folder.parent} ({e.strerror}); "
-                              "set MINFER_CACHE_DIR to a writable folder") from None
-    return folder
-
-
-def _build_demo_checkpoint(folder: Path) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
-    staging.chmod(0o755)
-    try:
-        model = Transformer(DEMO_CONFIG)
-        random_init(model, seed=DEMO_SEED, dtype=torch.float16, device="cpu")
-        save_hf(model, staging)
-        shutil.copyfile(BUNDLED_TOKENIZER, staging / "tokenizer.model")
-        try:
-            staging.rename(folder)  # atomic: a concurrent builder that won leaves the same files
-        except OSError:
-            if not (folder / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def find_tokenizer(folder: Path, required: bool) -> Path | None:
@@ -228,35 +207,6 @@ def _inside_folder(folder: Path, name: str, what: str) -> Path:
 # ----------------------------------------------------------------------------------------------
 
 
-def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    """HF tensor name -> (minfer tensor name, first row inside that tensor, HF shape).
-
-    q/k/v fill the rows of one qkv_proj matrix and gate/up the rows of one gate_up_proj matrix.
-    """
-    h, q, kv = config.hidden_size, config.q_size, config.kv_size
-    inter, vocab = config.intermediate_size, config.vocab_size
-    layout = {
-        "model.embed_tokens.weight": ("embed_tokens.weight", 0, (vocab, h)),
-        "model.norm.weight": ("norm.weight", 0, (h,)),
-    }
-    if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = ("lm_head.fmt.weight", 0, (vocab, h))
-    for i in range(config.num_layers):
-        hf, attn, mlp = f"model.layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        layout |= {
-            hf + "self_attn.q_proj.weight": (attn + "qkv_proj.fmt.weight", 0, (q, h)),
-            hf + "self_attn.k_proj.weight": (attn + "qkv_proj.fmt.weight", q, (kv, h)),
-            hf + "self_attn.v_proj.weight": (attn + "qkv_proj.fmt.weight", q + kv, (kv, h)),
-            hf + "self_attn.o_proj.weight": (attn + "o_proj.fmt.weight", 0, (h, q)),
-            hf + "mlp.gate_proj.weight": (mlp + "gate_up_proj.fmt.weight", 0, (inter, h)),
-            hf + "mlp.up_proj.weight": (mlp + "gate_up_proj.fmt.weight", inter, (inter, h)),
-            hf + "mlp.down_proj.weight": (mlp + "down_proj.fmt.weight", 0, (h, inter)),
-            hf + "input_layernorm.weight": (f"layers.{i}.input_layernorm.weight", 0, (h,)),
-            hf + "post_attention_layernorm.weight": (f"layers.{i}.post_attention_layernorm.weight", 0, (h,)),
-        }
-    return layout
-
-
 def _targets(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Allocate the meta-built model on `device` (every weight once, uninitialized) and return its
     checkpoint tensors, after checking they are exactly the ones the HF layout fills."""
@@ -284,6 +234,8 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device
         if not resolved.is_random:
             raise CheckpointError(f"{resolved.name} was resolved without weights; load them from their own file")
         return random_init(model, seed, dtype, device)
+    if resolved.path.is_file():  # resolve() takes files only as GGUF
+        return load_gguf(model, resolved.path, dtype, device, progress)
     if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats
         return load_compressed(model, resolved.path, dtype, device, progress)
     return load_weights(model, resolved.path, dtype, device, progress)
@@ -320,12 +272,29 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
             if stored.get_dtype() not in _FLOAT_DTYPES:  # integers or booleans would be cast into nonsense weights
                 raise CheckpointError(f"tensor {name} in {file.name} is stored as {stored.get_dtype()}, expected "
                                       f"float weights ({', '.join(_FLOAT_DTYPES)})")
-        targets = _targets(model, dtype, device)
-        with torch.no_grad():
-            for name, (target, row, shape) in tqdm(layout.items(), desc="loading", unit="tensor", disable=not progress):
-                source = handles[files[name]].get_tensor(name)  # one tensor at a time, from the mmap
-                targets[target][row:row + shape[0]].copy_(source)
+        # one tensor at a time, from the mmap
+        return copy_weights(model, lambda name: handles[files[name]].get_tensor(name), dtype, device, progress)
+
+
+def copy_weights(model: nn.Module, read: Callable[[str], torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str, progress: bool = False) -> nn.Module:
+    """Allocate a meta-built Transformer on `device` and copy each HF-named tensor `read(name)` into
+    its place (cast to `dtype`); the caller has checked that every tensor is there in its shape."""
+    targets = _targets(model, dtype, device)
+    with torch.no_grad():
+        for name, (target, row, shape) in tqdm(hf_tensor_map(model.config).items(), desc="loading", unit="tensor",
+                                               disable=not progress):
+            targets[target][row:row + shape[0]].copy_(read(name))
     return model
+
+
+def load_gguf(model: nn.Module, path: str | Path, dtype: torch.dtype, device: torch.device | str,
+              progress: bool = False) -> nn.Module:
+    """Fill a meta-built Transformer from a GGUF file (checked whole before anything is allocated)."""
+    checkpoint = GGUFCheckpoint(path)
+    if checkpoint.config != model.config:
+        raise CheckpointError(f"{path} holds another architecture than the model being loaded")
+    return copy_weights(model, checkpoint.tensor, dtype, device, progress)
 
 
 def _refuse_difference(folder: Path, verb: str, names: list[str]) -> None:

@@ -1,28 +1,30 @@
-"""The embedded default: a tiny Llama-architecture model with seeded random weights and the
-bundled sentencepiece tokenizer, both reproducible from this file.
+"""Rebuilding the shipped assets: the embedded default model, stories260K, and the bundled tokenizer.
 
-- The tokenizer (minfer/assets/tokenizer.model) is trained with the sentencepiece trainer on the
-  prose in data/corpus/ and shipped; `python -m minfer.demo --tokenizer` rebuilds it bit for bit
-  and `--check` verifies the shipped file.
-- The demo checkpoint (about 6 MB of fp16 safetensors) is built from DEMO_CONFIG and DEMO_SEED on
-  first use (`checkpoint.demo_checkpoint_dir`), on the CPU, and cached under `cache_root()`, so
-  the demo goes through the same loader as a real checkpoint.
+- stories260K (minfer/assets/stories260K/) is a real trained tiny Llama (hidden 64, 5 layers, vocab
+  512) from Andrej Karpathy's llama2.c, trained on TinyStories; its NOTICE.md says where it comes
+  from. It is shipped as an HF checkpoint converted from its GGUF file:
+  `python -m minfer.demo --convert stories260K.gguf` rebuilds config.json and model.safetensors
+  bit for bit.
+- The bundled tokenizer (minfer/assets/tokenizer.model), used with random weights and by tests, is
+  trained with the sentencepiece trainer on the prose in minfer/data/corpus/ and shipped;
+  `python -m minfer.demo --tokenizer` rebuilds it bit for bit and `--check` verifies the shipped file.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 from pathlib import Path
 
-from .config import ModelConfig
+from .checkpoint import DEMO_DIR, copy_weights, save_hf
 from .corpus import corpus_lines
+from .errors import MinferError
+from .gguf_source import GGUFCheckpoint
+from .model import Transformer
 from .tokenizer import BUNDLED_TOKENIZER
 
-DEMO_NAME = "minfer-demo"
-DEMO_SEED = 0
+DEMO_PROMPT = "Once upon a time"
 TOKENIZER_VOCAB_SIZE = 1000
 # The shipped tokenizer was trained with this sentencepiece release; others may merge differently.
 TOKENIZER_BUILT_WITH = "0.2.3"
@@ -49,23 +51,6 @@ _TRAINER_OPTIONS = dict(
     minloglevel=2,
 )
 
-DEMO_CONFIG = ModelConfig(
-    vocab_size=TOKENIZER_VOCAB_SIZE,
-    hidden_size=256,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    intermediate_size=704,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
 
 def train_tokenizer() -> bytes:
     """The serialized sentencepiece model; trained from an iterator into memory, so no file path
@@ -78,19 +63,22 @@ def train_tokenizer() -> bytes:
     return model.getvalue()
 
 
-def cache_root() -> Path:
-    root = os.environ.get("MINFER_CACHE_DIR")
-    if root is None:
-        cache = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
-        root = os.path.join(cache, "minfer")
-    return Path(root)
+def save_as_hf(path: str | Path, folder: str | Path) -> Path:
+    """Write the model of a GGUF file to `folder` as an HF checkpoint (config.json, model.safetensors),
+    in the dtype its embedding is stored in; the same file always gives the same bytes."""
+    checkpoint = GGUFCheckpoint(path)
+    dtype = checkpoint.dtype("model.embed_tokens.weight")
+    return save_hf(copy_weights(Transformer(checkpoint.config), checkpoint.tensor, dtype, "cpu"), folder)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minfer.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minfer.demo", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--tokenizer", action="store_true", help=f"retrain and overwrite {BUNDLED_TOKENIZER.name}")
     action.add_argument("--check", action="store_true", help="verify the shipped tokenizer is reproduced bit for bit")
+    action.add_argument("--convert", metavar="GGUF",
+                        help=f"rewrite config.json and model.safetensors of {DEMO_DIR.name} from its GGUF file")
     args = parser.parse_args(argv)
     if args.tokenizer:
         BUNDLED_TOKENIZER.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
         same = train_tokenizer() == BUNDLED_TOKENIZER.read_bytes()
         print("tokenizer reproduced bit for bit" if same else "tokenizer differs from the shipped file")
         return 0 if same else 1
+    else:
+        try:
+            save_as_hf(args.convert, DEMO_DIR)
+        except MinferError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {DEMO_DIR / 'config.json'} and {DEMO_DIR / 'model.safetensors'}")
     return 0
 
 

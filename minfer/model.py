@@ -234,12 +234,18 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 yield name, module
 
+    def _linear_and_norm_bytes(self) -> int:
+        linears = sum(m.fmt.nbytes for m in self.modules() if isinstance(m, Linear))
+        return linears + sum(m.weight.nbytes for m in self.modules() if isinstance(m, RMSNorm))
+
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: every linear in its current format, the norms, one embedding row."""
-        linears = sum(m.fmt.nbytes for m in self.modules() if isinstance(m, Linear))
-        norms = sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, RMSNorm))
-        embedding_row = self.embed_tokens.weight[0].numel() * self.embed_tokens.weight.element_size()
-        return linears + norms + embedding_row
+        return self._linear_and_norm_bytes() + self.embed_tokens.weight[0].nbytes
+
+    def weight_bytes(self) -> int:
+        """Bytes all weights take in their current formats (a tied embedding counted once, as lm_head)."""
+        embedding = 0 if self.config.tie_word_embeddings else self.embed_tokens.weight.nbytes
+        return self._linear_and_norm_bytes() + embedding
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None, attention: str = "dense") -> None:
@@ -280,3 +286,32 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 layer(residual, step, rope)
         return self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)
+
+
+def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """HF tensor name -> (minfer tensor name, first row inside that tensor, HF shape).
+
+    q/k/v fill the rows of one qkv_proj matrix and gate/up the rows of one gate_up_proj matrix.
+    """
+    h, q, kv = config.hidden_size, config.q_size, config.kv_size
+    inter, vocab = config.intermediate_size, config.vocab_size
+    layout = {
+        "model.embed_tokens.weight": ("embed_tokens.weight", 0, (vocab, h)),
+        "model.norm.weight": ("norm.weight", 0, (h,)),
+    }
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = ("lm_head.fmt.weight", 0, (vocab, h))
+    for i in range(config.num_layers):
+        hf, attn, mlp = f"model.layers.{i}.", f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        layout |= {
+            hf + "self_attn.q_proj.weight": (attn + "qkv_proj.fmt.weight", 0, (q, h)),
+            hf + "self_attn.k_proj.weight": (attn + "qkv_proj.fmt.weight", q, (kv, h)),
+            hf + "self_attn.v_proj.weight": (attn + "qkv_proj.fmt.weight", q + kv, (kv, h)),
+            hf + "self_attn.o_proj.weight": (attn + "o_proj.fmt.weight", 0, (h, q)),
+            hf + "mlp.gate_proj.weight": (mlp + "gate_up_proj.fmt.weight", 0, (inter, h)),
+            hf + "mlp.up_proj.weight": (mlp + "gate_up_proj.fmt.weight", inter, (inter, h)),
+            hf + "mlp.down_proj.weight": (mlp + "down_proj.fmt.weight", 0, (h, inter)),
+            hf + "input_layernorm.weight": (f"layers.{i}.input_layernorm.weight", 0, (h,)),
+            hf + "post_attention_layernorm.weight": (f"layers.{i}.post_attention_layernorm.weight", 0, (h,)),
+        }
+    return layout

@@ -157,3 +157,19 @@ def _special_tokens(config_path: Path) -> dict[str, str]:
         value = config.get(key)
         tokens[key] = value.get("content") if isinstance(value, dict) else value
     return tokens
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The text of a user's UTF-8 file; a missing, unreadable or non-UTF-8 file is a MinferError
+    that starts with `what` (e.g. "calibration text")."""
+    path = Path(path)
+    if not path.is_file():
+        problem = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise MinferError(f"{what} {path} {problem}; pass a UTF-8 text file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MinferError(f"{what} {path} is not UTF-8 text (byte {exc.start}: "
+                          f"{exc.object[exc.start:exc.start + 1]!r}); pass a UTF-8 text file") from None
+    except OSError as exc:
+        raise MinferError(f"{what} {path} cannot be read ({exc.strerror})") from None

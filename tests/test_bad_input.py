@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minfer.app_io import CLOSED_PIPE_EXIT
+from minfer.cli import CLOSED_PIPE_EXIT
 from minfer.checkpoint import INDEX_FILE, hf_state_dict, load_weights, random_init, resolve, save_hf
 from minfer.config import ModelConfig
 from minfer.errors import CheckpointError, MinferError
@@ -29,7 +29,7 @@ from minfer.sparsity.compressed import (
     save_compressed,
 )
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
-from tests.test_cli import APP, NO_GPU, PROFILE_APP, assert_input_error, load_app, tiny_random_model
+from tests.helpers import APP, NO_GPU, PROFILE_APP, assert_input_error, load_app, tiny_random_model
 
 BENCHMARK_APP = APP.with_name("benchmark.py")
 

@@ -1,5 +1,5 @@
 """Checkpoint loading: HF names -> fused minfer tensors, shards, dtype casts, refusals that name the
-tensor, random init, resolve() for every kind of model name, and the reproducible demo.
+tensor, random init, and resolve() for every kind of model name.
 Nothing here touches the network."""
 
 import json
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from minfer import checkpoint, demo
+from minfer import checkpoint
 from minfer.checkpoint import hf_state_dict, load_model, load_weights, random_init, resolve, save_hf
 from minfer.config import KNOWN_CONFIGS, ModelConfig
 from minfer.errors import CheckpointError, UnknownModelError
@@ -203,18 +203,17 @@ def test_resolve_refuses_unknown_names_and_paths(tmp_path):
         resolve("llama2-7b", "pickle")
 
 
-def test_demo_checkpoint_is_reproducible(tmp_path, monkeypatch):
-    monkeypatch.setenv("MINFER_CACHE_DIR", str(tmp_path / "a"))
-    first = checkpoint.demo_checkpoint_dir()
-    monkeypatch.setenv("MINFER_CACHE_DIR", str(tmp_path / "b"))
-    second = checkpoint.demo_checkpoint_dir()
-    assert first.name == second.name and first != second
-    for name in ("model.safetensors", "config.json", "tokenizer.model"):
-        assert (first / name).read_bytes() == (second / name).read_bytes()
+def test_resolve_the_default_and_a_tokenizer_override(tmp_path):
+    """No name (or minfer-demo) is the shipped stories260K folder; --tokenizer replaces a model's own."""
     resolved = resolve(None)
-    assert resolved.is_random and resolved.path == second
-    assert resolved.config == demo.DEMO_CONFIG
-    assert (second / "model.safetensors").stat().st_size < 8 * 2**20
+    assert resolved.path == checkpoint.DEMO_DIR and not resolved.is_random and resolve("minfer-demo") == resolved
+    random = resolve(None, "random")
+    assert random.is_random and random.path is None and random.tokenizer_path == checkpoint.DEMO_DIR / "tokenizer.model"
+    assert resolve(None, tokenizer=bundled_tokenizer_path()).tokenizer_path == bundled_tokenizer_path()
+    assert resolve("llama2-7b", "random", checkpoint.DEMO_DIR / "tokenizer.model").tokenizer_path == \
+        checkpoint.DEMO_DIR / "tokenizer.model"
+    with pytest.raises(CheckpointError, match="--tokenizer .* is not a file"):
+        resolve(None, tokenizer=tmp_path)
 
 
 def test_download_fetches_only_config_tokenizer_and_safetensors(tmp_path, monkeypatch):

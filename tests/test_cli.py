@@ -11,43 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from minfer.checkpoint import random_init, save_hf
+from minfer.checkpoint import save_hf
 from minfer.config import KNOWN_CONFIGS, ModelConfig
-from minfer.model import Transformer
 from minfer.runtime import available_bytes, estimate_memory
 from minfer.sparsity.compressed import SAVE_MARKER, SAVE_MARKER_TEXT
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
 from tests.conftest import requires_cuda
-from tests.helpers import load_app
-
-APP = Path(__file__).resolve().parent.parent / "apps" / "generate.py"
-PROFILE_APP = APP.with_name("profile.py")
-
-
-NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"} | (env or {})
-    return subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, env=environment,
-                          timeout=300)
-
-
-def assert_input_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    lines = result.stderr.splitlines()
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    for fragment in fragments:
-        assert fragment in lines[0]
-
-
-def tiny_random_model(dtype: torch.dtype = torch.float32) -> Transformer:
-    config = ModelConfig(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                         intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
-                         max_position_embeddings=64, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    return random_init(Transformer(config), seed=1, dtype=dtype, device="cpu")
-
+from tests.helpers import (APP, NO_GPU, PROFILE_APP, assert_input_error, cli, in_process, load_app,
+                           tiny_random_model)
 
 @pytest.fixture(scope="module")
 def local_checkpoint(tmp_path_factory):
@@ -57,11 +28,12 @@ def local_checkpoint(tmp_path_factory):
     return folder
 
 
-def test_no_flags_runs_the_demo_and_says_it_is_random():
-    result = cli("--max-new-tokens", "12")
+def test_no_flags_tells_the_demo_story():
+    result = cli("--max-new-tokens", "60")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("The harbour town wakes before the sun does.")
-    assert "RANDOM weights" in result.stderr and "--model tinyllama-1.1b" in result.stderr
+    assert result.stdout.startswith("Once upon a time, there was a little girl named Lily. She loved to play outside "
+                                    "in the park.")
+    assert "stories260K" in result.stderr and "RANDOM" not in result.stderr
     for stat in ("prefill", "time to first token", "tok/s", "GB/s", "peak GPU memory"):
         assert stat in result.stderr
 
@@ -112,8 +84,8 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--max-seq-len", "100000"], ["--max-seq-len must be in [2, 1024]"]),
-    (["--max-seq-len", "0"], ["--max-seq-len must be in [2, 1024]", "got 0"]),
+    (["--max-seq-len", "100000"], ["--max-seq-len must be in [2, 2048]"]),
+    (["--max-seq-len", "0"], ["--max-seq-len must be in [2, 2048]", "got 0"]),
     (["--dtype", "int8"], ["--dtype", "invalid choice"]),
     (["--sparse", "bogus"], ["--sparse", "invalid choice"]),
     (["--device", "tpu"], ["'tpu' is not"]),
@@ -122,11 +94,11 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--max-new-tokens", "many"], ["invalid int value"]),
     (["--embedding", "host", "--backend", "torch"], ["--embedding host needs --backend minfer"]),
     (["--embedding", "disk"], ["--embedding", "invalid choice"]),
-    (["--sparse", "macko"], ["random weights have no zeros", "--density"]),
+    (["--weights", "random", "--sparse", "macko"], ["random weights have no zeros", "--density"]),
     (["--sparse", "macko", "--prune", "wanda"], ["--prune sets how --density prunes"]),
     (["--sparse", "macko", "--density", "0.5", "--calib-samples", "2"], ["--calib-samples", "add --prune wanda"]),
     (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-seq-len", "5000"],
-     ["--calib-seq-len 5000 exceeds the 1024 positions"]),
+     ["--calib-seq-len 5000 exceeds the 2048 positions"]),
     (["--sparse", "macko", "--density", "1.5"], ["density must be in (0, 1]"]),
     (["--sparse", "macko", "--density", "0.5", "--save-compressed", str(APP)], ["--save-compressed", "is not a folder"]),
     (["--macko-reference", "/no/such/file"], ["--macko-reference /no/such/file does not exist"]),
@@ -159,12 +131,6 @@ def test_missing_files_in_a_local_checkpoint(tmp_path, local_checkpoint):
     shutil.copytree(local_checkpoint, broken)
     next(broken.glob("model-00002-*.safetensors")).unlink()
     assert_input_error(cli("--model", str(broken), "--device", "cpu"), "model-00002-", "is missing")
-
-
-def test_unwritable_cache_dir(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    assert_input_error(cli("--device", "cpu", env={"MINFER_CACHE_DIR": str(blocker / "cache")}), "MINFER_CACHE_DIR")
 
 
 def test_cuda_without_a_gpu():

@@ -23,12 +23,12 @@ VARIANTS = {
 }
 
 
-def hf_tiny_llama(variant: str, seed: int = 0):
+def hf_tiny_llama(variant: str, seed: int = 0, vocab_size: int = 997):
     """A random LlamaForCausalLM in fp32. Weights are drawn wider than HF's default and norm weights
     are perturbed, so logits are peaked (greedy choices are not near-ties) and norms matter."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=997, hidden_size=64, intermediate_size=88, num_hidden_layers=3,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=88, num_hidden_layers=3,
                          num_attention_heads=4, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
                          initializer_range=0.15, bos_token_id=1, eos_token_id=2, **VARIANTS[variant])
     torch.manual_seed(seed)

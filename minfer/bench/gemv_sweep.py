@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..app_io import ArgumentParser
+from ..cli import ArgumentParser
 from . import report
 from ..errors import MinferError
 from .arg_types import matrix_shape_list, positive_int, token_count_list

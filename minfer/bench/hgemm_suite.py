@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from minfer import ops
-from minfer.app_io import ArgumentParser
+from minfer.cli import ArgumentParser
 from minfer.bench.report import environment
 from minfer.bench.timing import rotation_count, time_graph
 

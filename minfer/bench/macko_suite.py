@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..app_io import ArgumentParser
+from ..cli import ArgumentParser
 from ..errors import MinferError
 from ..formats import convert
 from ..formats.macko import release_scratch

@@ -141,14 +141,9 @@ def calibration_tokens(tokenizer, samples: int, seq_len: int, text_file: str | P
         raise MinferError(f"wanda calibration needs at least 1 sample of at least 1 token, got --calib-samples "
                           f"{samples} and --calib-seq-len {seq_len}")
     if text_file is not None:
-        path = Path(text_file)
-        if not path.is_file():
-            raise MinferError(f"calibration text {path} does not exist; pass a UTF-8 text file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise MinferError(f"calibration text {path} is not UTF-8 text (byte {exc.start}: "
-                              f"{exc.object[exc.start:exc.start + 1]!r}); pass a UTF-8 text file") from None
+        from ..tokenizer import read_text_file
+
+        text = read_text_file(text_file, "calibration text")
     else:
         text = "\n".join(corpus_lines())
     ids = tokenizer.encode(text, bos=False)
