@@ -68,7 +68,9 @@ def target_arch_list() -> str:
 
 
 def kernel_sources() -> list[Path]:
-    return [KERNEL_DIR / "bindings.cpp", *sorted(KERNEL_DIR.glob("*.cu"))]
+    """kernels/*.cu with bindings.cpp, and each family folder's .cu and .cpp files (kernels/*/)."""
+    return [KERNEL_DIR / "bindings.cpp", *sorted(KERNEL_DIR.glob("*.cu")), *sorted(KERNEL_DIR.glob("*/*.cu")),
+            *sorted(KERNEL_DIR.glob("*/*.cpp"))]
 
 
 def _ensure_cuda_home() -> None:
