@@ -26,7 +26,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
+# Run from a checkout, no install. The repo root replaces apps/ (sys.path[0]), whose profile.py would
+# shadow the standard-library module that torch.compile imports (the attention suite's FlexAttention).
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 
