@@ -201,11 +201,7 @@ def run(args: argparse.Namespace) -> int:
             embedding=args.embedding)
     print(f"device copy bandwidth: {env['copy_gbs']:.0f} GB/s (read + write)")
     if attention_rows:
-        report.print_table(f"block-sparse prefill, B=1 H={attention_suite.HEADS} D={attention_suite.HEAD_DIM} "
-                           f"({env.get('device')}, {args.dtype}, layout blocks of {attention_suite.BLOCK_SIZE}; "
-                           f"matmul {env['matmul_tflops']:.0f} TFLOP/s)", attention_suite.COLUMNS, attention_rows)
-        print(f"time vs kept fraction at {attention_fit['seq_len']}: R^2 = {attention_fit['r_squared']:.4f} "
-              f"({len(attention_fit['kept'])} layouts)")
+        attention_suite.print_report(env, attention_rows, attention_fit, args.dtype)
     if kernel_rows:
         report.print_table(f"kernels ({env.get('device')}, {args.dtype})", kernel_suite.COLUMNS, kernel_rows)
     if e2e_rows:

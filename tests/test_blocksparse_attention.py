@@ -10,6 +10,7 @@ from minfer import ops
 from minfer.attention.blocksparse_ops import blocksparse_attention, blocksparse_attention_reference
 from minfer.attention.layouts import (LayoutError, build_layout, compact, compact_layout, density, parse_layout,
                                       plot_layout)
+from minfer.bench import attention_suite
 from tests.conftest import requires_cuda
 from tests.numerics import rel_error
 
@@ -158,6 +159,26 @@ def test_bad_block_sizes_lengths_and_files_give_one_line_errors(tmp_path):
         assert "\n" not in str(info.value)
 
 
+def test_unknown_kernel_name_is_refused():
+    q, k, v = random_qkv(1, 2, 1, 70, 16, torch.float32)
+    with pytest.raises(LayoutError, match="kernel must be one of"):
+        blocksparse_attention(q, k, v, compact_layout("causal", 2, 70), 1.0, kernel="tma")
+
+
+def test_attention_suite_fit_and_report(monkeypatch, capsys):
+    slope, intercept, r2 = attention_suite.linear_fit([0.1, 0.5, 1.0], [1.2, 3.0, 5.25])
+    assert slope == pytest.approx(4.5) and intercept == pytest.approx(0.75) and r2 == pytest.approx(1.0)
+    monkeypatch.setattr(attention_suite, "kernel_variants", lambda: ("mma",))
+    rows = [{"layout": "dense", "seq_len": 16384, "kept": 1.0, "minfer_ms": 4.0, "mma_ms": 7.0, "flex_ms": 5.0,
+             "vs_flex": 1.25}, {"layout": "causal", "seq_len": 4096, "minfer_ms": 0.3, "flex_error": "Boom: no"}]
+    fit = {"seq_len": 16384, "kept": [0.1, 1.0], "minfer_ms": [0.5, 4.0], "slope_ms": 3.9, "intercept_ms": 0.1,
+           "r_squared": 1.0}
+    attention_suite.print_report({"device": "GPU", "copy_gbs": 4000.0, "matmul_tflops": 660.0}, rows, fit, "float16")
+    printed = capsys.readouterr().out
+    assert "kernel variants" in printed and "7.000" in printed and "FlexAttention failed at causal 4096" in printed
+    assert "R^2 = 1.0000 over 2 layouts" in printed
+
+
 def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "layout.png"
     plot_layout(build_layout("bigbird:window=128,global=64,random=2,seed=0", 2, 2000, 64), path, "bigbird")
@@ -169,27 +190,35 @@ def test_plot_writes_a_png(tmp_path):
 GPU_LAYOUTS = NAMED + ["sink-window:sink=0,window=64"]
 
 
+def gpu_kernels():
+    """The kernels this GPU runs: the wgmma ones need sm_90."""
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    return ["wgmma", "wgmma_two_blocks", "mma"] if hopper else ["mma"]
+
+
 @requires_cuda
+@pytest.mark.parametrize("kernel", gpu_kernels())
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 4e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("seq_len", [1, 63, 65, 200, 1000])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_kernel_matches_float64_reference(dtype, tolerance, head_dim, heads, seq_len, block_size):
+def test_kernel_matches_float64_reference(kernel, dtype, tolerance, head_dim, heads, seq_len, block_size):
     torch.manual_seed(seq_len * head_dim + heads[1])
     q, k, v = random_qkv(2, *heads, seq_len, head_dim, dtype, "cuda")
     scale = 1 / math.sqrt(head_dim)
     for name in GPU_LAYOUTS:
         layout = compact_layout(name, heads[0], seq_len, block_size, device="cuda")
         out = torch.full_like(q, float("nan"))
-        blocksparse_attention(q, k, v, layout, scale, out)
+        blocksparse_attention(q, k, v, layout, scale, out, kernel=kernel)
         ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), layout, scale)
         assert not out.isnan().any(), name
         assert rel_error(out, ref) < tolerance, name
 
 
 @requires_cuda
-def test_kernel_takes_strided_views_and_writes_only_out():
+@pytest.mark.parametrize("kernel", gpu_kernels())
+def test_kernel_takes_strided_views_and_writes_only_out(kernel):
     torch.manual_seed(1)
     batch, seq_len, q_heads, kv_heads, head_dim = 1, 333, 8, 2, 128
     q = torch.randn(batch, seq_len, q_heads, head_dim, dtype=torch.float16, device="cuda").transpose(1, 2)
@@ -198,21 +227,22 @@ def test_kernel_takes_strided_views_and_writes_only_out():
     store = torch.full((batch, seq_len + 1, q_heads, head_dim), 7.0, dtype=torch.float16, device="cuda")
     out = store[:, :seq_len].transpose(1, 2)
     layout = compact_layout("bigbird:window=64,global=64,random=1,seed=2", q_heads, seq_len, device="cuda")
-    blocksparse_attention(q, k, v, layout, 0.1, out)
+    blocksparse_attention(q, k, v, layout, 0.1, out, kernel=kernel)
     ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), layout, 0.1)
     assert rel_error(out, ref) < 4e-3
     assert torch.all(store[:, seq_len] == 7.0)
 
 
 @requires_cuda
-def test_kernel_gives_zeros_for_a_tile_with_no_kept_block():
+@pytest.mark.parametrize("kernel", gpu_kernels())
+def test_kernel_gives_zeros_for_a_tile_with_no_kept_block(kernel):
     seq_len = 300
     layout = build_layout("sink-window:sink=0,window=64", 1, seq_len, 64)
     layout[0, 2] = False
     packed = compact(layout, seq_len, 64).to("cuda")
     q, k, v = random_qkv(1, 4, 4, seq_len, 64, torch.float16, "cuda")
     out = torch.full_like(q, float("nan"))
-    blocksparse_attention(q, k, v, packed, 0.125, out)
+    blocksparse_attention(q, k, v, packed, 0.125, out, kernel=kernel)
     assert not out.isnan().any()
     assert torch.all(out[:, :, 128:192] == 0)
     ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), packed, 0.125)
@@ -227,6 +257,8 @@ def test_opcheck():
     out = torch.empty_like(q)
     torch.library.opcheck(torch.ops.minfer.blocksparse_attention.default,
                           (q, k, v, layout.tile_ptr, layout.key_tiles, layout.heads, 0.125, out))
+    torch.library.opcheck(torch.ops.minfer.blocksparse_attention_tuned.default,
+                          (q, k, v, layout.tile_ptr, layout.key_tiles, layout.heads, 0.125, out, "mma"))
 
 
 @requires_cuda

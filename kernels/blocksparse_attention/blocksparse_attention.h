@@ -7,6 +7,10 @@ namespace minfer {
 // Query and key tile of the kernel, in tokens: the compact layout's lists are at this granularity.
 constexpr int kBlocksparseTile = 64;
 
+// Which kernel runs: auto picks wgmma (one block per SM) on sm_90 (built for sm_90a), mma.sync elsewhere;
+// kWgmmaTwoBlocks is the wgmma kernel capped at 128 registers so that two blocks share an SM.
+enum class BlocksparseKernel : int { kAuto = 0, kWgmma = 1, kWgmmaTwoBlocks = 2, kMma = 3 };
+
 // A [B, H, S, D] tensor's element strides for batch, head and position (the last dim is contiguous).
 struct AttnStrides {
     int64_t batch, head, seq;
@@ -22,6 +26,6 @@ void launch_blocksparse_attention(const void* q, AttnStrides q_strides, const vo
                                   const void* v, AttnStrides v_strides, void* out, AttnStrides out_strides,
                                   const int* tile_ptr, const int* key_tiles, int64_t batch, int64_t q_heads,
                                   int64_t kv_heads, int64_t layout_heads, int64_t seq_len, int64_t head_dim,
-                                  float scale, DType dtype, cudaStream_t stream);
+                                  float scale, DType dtype, BlocksparseKernel kernel, cudaStream_t stream);
 
 }  // namespace minfer

@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include "blocksparse_attention.h"
@@ -18,8 +19,9 @@ bool rows_aligned(const at::Tensor& t) {
            t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0;
 }
 
-void blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tile_ptr,
-                           const at::Tensor& key_tiles, int64_t layout_heads, double scale, at::Tensor& out) {
+void run_blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& tile_ptr, const at::Tensor& key_tiles, int64_t layout_heads,
+                               double scale, at::Tensor& out, minfer::BlocksparseKernel kernel) {
     TORCH_CHECK(rows_aligned(q) && rows_aligned(k) && rows_aligned(v) && rows_aligned(out),
                 "minfer.blocksparse_attention: q, k, v and out must be CUDA [B, H, S, D] tensors with a contiguous "
                 "last dim and 16-byte aligned rows");
@@ -54,8 +56,32 @@ void blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::T
         q.data_ptr(), strides_of(q), k.data_ptr(), strides_of(k), v.data_ptr(), strides_of(v), out.data_ptr(),
         strides_of(out), tile_ptr.data_ptr<int>(), key_tiles.data_ptr<int>(), batch, q_heads, kv_heads, layout_heads,
         seq_len, head_dim, (float)scale, dtype == at::kHalf ? minfer::DType::kFloat16 : minfer::DType::kBFloat16,
-        c10::cuda::getCurrentCUDAStream(device.index()).stream());
+        kernel, c10::cuda::getCurrentCUDAStream(device.index()).stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tile_ptr,
+                           const at::Tensor& key_tiles, int64_t layout_heads, double scale, at::Tensor& out) {
+    run_blocksparse_attention(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out, minfer::BlocksparseKernel::kAuto);
+}
+
+// The same op with the kernel named (benchmarks, tests): "wgmma", "wgmma_two_blocks" (sm_90a) or "mma".
+void blocksparse_attention_tuned(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& tile_ptr, const at::Tensor& key_tiles, int64_t layout_heads,
+                                 double scale, at::Tensor& out, c10::string_view kernel) {
+    minfer::BlocksparseKernel which = minfer::BlocksparseKernel::kMma;
+    if (kernel == "wgmma")
+        which = minfer::BlocksparseKernel::kWgmma;
+    else if (kernel == "wgmma_two_blocks")
+        which = minfer::BlocksparseKernel::kWgmmaTwoBlocks;
+    else
+        TORCH_CHECK(kernel == "mma", "minfer.blocksparse_attention_tuned: kernel must be wgmma, wgmma_two_blocks or mma");
+    if (which != minfer::BlocksparseKernel::kMma) {
+        int major = 0;
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index());
+        TORCH_CHECK(major == 9, "minfer.blocksparse_attention_tuned: the wgmma kernels need an sm_90 GPU");
+    }
+    run_blocksparse_attention(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out, which);
 }
 
 }  // namespace
@@ -63,6 +89,11 @@ void blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("blocksparse_attention(Tensor q, Tensor k, Tensor v, Tensor tile_ptr, Tensor key_tiles, int layout_heads, "
           "float scale, Tensor(a!) out) -> ()");
+    m.def("blocksparse_attention_tuned(Tensor q, Tensor k, Tensor v, Tensor tile_ptr, Tensor key_tiles, "
+          "int layout_heads, float scale, Tensor(a!) out, str kernel) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(minfer, CUDA, m) { m.impl("blocksparse_attention", &blocksparse_attention); }
+TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
+    m.impl("blocksparse_attention", &blocksparse_attention);
+    m.impl("blocksparse_attention_tuned", &blocksparse_attention_tuned);
+}

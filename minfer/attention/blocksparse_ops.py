@@ -62,6 +62,15 @@ def _blocksparse_attention_fake(q, k, v, tile_ptr, key_tiles, layout_heads, scal
     return None
 
 
+@ops.fake_impl("minfer::blocksparse_attention_tuned")
+def _blocksparse_attention_tuned_fake(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out, kernel):
+    return None
+
+
+# The kernels blocksparse_attention(kernel=...) can name; "auto" is wgmma on sm_90, mma elsewhere.
+KERNELS = ("auto", "wgmma", "wgmma_two_blocks", "mma")
+
+
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """float16/bfloat16, D 64 or 128, rows 16-byte aligned: everything else runs the reference."""
     def aligned(t):
@@ -72,10 +81,13 @@ def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 
 def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CompactLayout, scale: float,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """Causal attention of q [B, Hq, S, D] over k, v [B, Hkv, S, D] (query head h reads KV head
     h // (Hq / Hkv)) that visits only the layout's kept key tiles; any strides with a contiguous last dim.
-    The layout (layouts.compact_layout, on q's device for the kernel) must be built for S tokens."""
+    The layout (layouts.compact_layout, on q's device for the kernel) must be built for S tokens.
+    `kernel` (one of KERNELS) is a launch knob for tests and benchmarks."""
+    if kernel not in KERNELS:
+        raise LayoutError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     _check_shapes(q, k, v, layout)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -83,7 +95,11 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
         if layout.tile_ptr.device != q.device:
             raise LayoutError(f"the layout lives on {layout.tile_ptr.device}, the attention on {q.device}; build it "
                               "with compact_layout(..., device=q.device) once, outside the step")
-        torch.ops.minfer.blocksparse_attention(q, k, v, layout.tile_ptr, layout.key_tiles, layout.heads, scale, out)
+        if kernel == "auto":
+            torch.ops.minfer.blocksparse_attention(q, k, v, layout.tile_ptr, layout.key_tiles, layout.heads, scale, out)
+        else:
+            torch.ops.minfer.blocksparse_attention_tuned(q, k, v, layout.tile_ptr, layout.key_tiles, layout.heads,
+                                                         scale, out, kernel)
     else:
         out.copy_(blocksparse_attention_reference(q, k, v, layout, scale))
     return out

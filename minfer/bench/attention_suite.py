@@ -91,8 +91,13 @@ def _time(fn: Callable[[], object]) -> float:
     return time_graph(lambda i: fn(), copies=1, replays=10)
 
 
+def kernel_variants() -> tuple[str, ...]:
+    """The kernels timed beside the default at FRACTION_LENGTH: the other wgmma shape and mma.sync on sm_90."""
+    return ("wgmma_two_blocks", "mma") if torch.cuda.get_device_capability()[0] == 9 else ()
+
+
 def prefill_row(layout_name: str, seq_len: int, dtype: torch.dtype, copy_gbs: float, tflops_ceiling: float,
-                flex: Callable | None, sdpa_ms: float | None) -> dict:
+                flex: Callable | None, sdpa_ms: float | None, variants: tuple[str, ...] = ()) -> dict:
     q, k, v, out = _inputs(seq_len, dtype)
     layout = build_layout(layout_name, HEADS, seq_len, BLOCK_SIZE)
     packed = compact(layout, seq_len, BLOCK_SIZE).to("cuda")
@@ -105,6 +110,8 @@ def prefill_row(layout_name: str, seq_len: int, dtype: torch.dtype, copy_gbs: fl
            "bytes": nbytes, "floor_ms": floor_ms, "minfer_ms": minfer_ms,
            "tflops": flops / (minfer_ms * 1e-3) / 1e12, "of_floor": floor_ms / minfer_ms, "sdpa_ms": sdpa_ms,
            "vs_sdpa": sdpa_ms / minfer_ms if sdpa_ms else None}
+    for kernel in variants:
+        row[f"{kernel}_ms"] = _time(lambda: blocksparse_attention(q, k, v, packed, scale, out, kernel=kernel))
     if flex is not None:
         try:
             mask = flex_block_mask(layout, seq_len)
@@ -141,8 +148,9 @@ def run(lengths: tuple[int, ...], dtype: torch.dtype, with_flex: bool = True,
         q, k, v, _ = _inputs(seq_len, dtype)
         sdpa_ms = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         del q, k, v
+        variants = kernel_variants() if seq_len == FRACTION_LENGTH else ()
         for name in LAYOUTS:
-            rows.append(prefill_row(name, seq_len, dtype, copy_gbs, ceiling, flex, sdpa_ms))
+            rows.append(prefill_row(name, seq_len, dtype, copy_gbs, ceiling, flex, sdpa_ms, variants))
             on_row(rows[-1])
     fraction_rows = [row for row in rows if row["seq_len"] == FRACTION_LENGTH and row["layout"] == "dense"]
     for window in FRACTION_WINDOWS:
@@ -153,6 +161,27 @@ def run(lengths: tuple[int, ...], dtype: torch.dtype, with_flex: bool = True,
            "minfer_ms": [r["minfer_ms"] for r in fraction_rows]}
     fit["slope_ms"], fit["intercept_ms"], fit["r_squared"] = linear_fit(fit["kept"], fit["minfer_ms"])
     return {"copy_gbs": copy_gbs, "matmul_tflops": ceiling}, rows, fit
+
+
+def print_report(env: dict, rows: list[dict], fit: dict, dtype_name: str) -> None:
+    """The prefill table, the kernel variants at FRACTION_LENGTH, and the kept-fraction fit."""
+    from .report import print_table
+
+    print_table(f"block-sparse prefill, B=1 H={HEADS} D={HEAD_DIM} ({env.get('device')}, {dtype_name}, layout "
+                f"blocks of {BLOCK_SIZE}; copy {env['copy_gbs']:.0f} GB/s, matmul {env['matmul_tflops']:.0f} TFLOP/s)",
+                COLUMNS, rows)
+    names = kernel_variants()
+    variant_rows = [row for row in rows if names and f"{names[0]}_ms" in row]
+    if variant_rows:
+        print_table("kernel variants (ms; minfer = the default)",
+                    [Column("layout", "layout"), Column("seq_len", "S"), Column("minfer_ms", "minfer", "{:.3f}")]
+                    + [Column(f"{name}_ms", name, "{:.3f}") for name in names], variant_rows)
+    for row in rows:
+        if "flex_error" in row:
+            print(f"FlexAttention failed at {row['layout']} {row['seq_len']}: {row['flex_error']}")
+    print(f"time vs kept fraction at {fit['seq_len']}: R^2 = {fit['r_squared']:.4f} over {len(fit['kept'])} layouts "
+          f"(kept {min(fit['kept']):.3f} to {max(fit['kept']):.3f}; {fit['slope_ms']:.3f} ms per unit kept + "
+          f"{fit['intercept_ms']:.3f} ms)")
 
 
 def plot_fraction(path: str, fit: dict, title: str) -> None:
