@@ -49,7 +49,8 @@ void launch_blocksparse_attention(const void* q, AttnStrides q_strides, const vo
     blocksparse::Params params{q, k, v, out, tile_ptr, key_tiles, q_strides, k_strides, v_strides, out_strides,
                                (int)seq_len, (int)((seq_len + kBlocksparseTile - 1) / kBlocksparseTile),
                                (int)q_heads, (int)kv_heads, (int)layout_heads, scale * kLog2e};
-    if (kernel == BlocksparseKernel::kAuto) kernel = device_is_sm90() ? BlocksparseKernel::kWgmma : BlocksparseKernel::kMma;
+    if (kernel == BlocksparseKernel::kAuto)
+        kernel = device_is_sm90() ? BlocksparseKernel::kWgmma : BlocksparseKernel::kMma;
     if (dtype == DType::kFloat16)
         launch_for_dim<half>(params, head_dim, batch, q_heads, kernel, stream);
     else

@@ -380,18 +380,20 @@ __global__ void __launch_bounds__(kWgmmaThreads, kBlocksPerSm) prefill_wgmma_ker
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
     auto& o_flat = reinterpret_cast<float(&)[D / 2]>(o);
 
-    visit_kept_tiles<T, D, kWgmmaThreads, wgmma_stages<kBlocksPerSm>(), true>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
-                                                                                const T* k_tile, const T* v_tile) {
+    constexpr int kStages = wgmma_stages<kBlocksPerSm>();
+    visit_kept_tiles<T, D, kWgmmaThreads, kStages, true>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
+                                                                                      const T* k_tile,
+                                                                                      const T* v_tile) {
         if (!((keepers >> group) & 1)) return;
         float s[1][kKeyTiles][4];
         auto& s_flat = reinterpret_cast<float(&)[32]>(s);
         const uint32_t k_addr = smem_addr(k_tile), v_addr = smem_addr(v_tile);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {  // 16 dims: panel kk / 4, 32 bytes in
-            const uint32_t offset = (kk / 4) * 64 * kRowBytes + (kk % 4) * 32;
-            wgmma_m64n64k16_ss<T>(s_flat, panel_descriptor(q_rows + (kk / 4) * kQueryRows * kRowBytes + (kk % 4) * 32, 0),
-                                  panel_descriptor(k_addr + offset, 0), kk > 0);
+        for (int kk = 0; kk < D / 16; ++kk) {  // 16 dims: panel kk / 4, (kk % 4) * 32 bytes into its rows
+            const uint32_t panel = kk / 4, in_row = (kk % 4) * 32;
+            wgmma_m64n64k16_ss<T>(s_flat, k_major_descriptor(q_rows + panel * kQueryRows * kRowBytes + in_row),
+                                  k_major_descriptor(k_addr + panel * kTile * kRowBytes + in_row), kk > 0);
         }
         wgmma_commit();
         wgmma_wait_all();

@@ -26,13 +26,17 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Descriptor of a tile in 64-column panels of 128-byte rows, 128-byte swizzle, 8-row groups 1024
-// bytes apart (stride byte offset). `panel_bytes`, the leading byte offset, matters only for an
-// N-major B operand wider than one panel (O = P V at D 128); K-major operands ignore it.
-__device__ __forceinline__ uint64_t panel_descriptor(uint32_t addr, uint32_t panel_bytes) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((panel_bytes & 0x3FFFF) >> 4) << 16) |
+// Descriptor of a tile in 64-column panels of 128-byte rows with the 128-byte swizzle, 8-row groups 1024
+// bytes apart (the stride byte offset). The leading byte offset is the distance between panels for an
+// N-major operand (the instruction's N may span several panels); K-major operands ignore it (1 by
+// convention), their 16-element K step lying inside one 128-byte row.
+__device__ __forceinline__ uint64_t panel_descriptor(uint32_t addr, uint32_t leading_bytes) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+           (static_cast<uint64_t>((leading_bytes & 0x3FFFF) >> 4) << 16) |
            (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
 }
+
+__device__ __forceinline__ uint64_t k_major_descriptor(uint32_t addr) { return panel_descriptor(addr, 16); }
 
 // S (64 x 64, fp32) = A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major) (+ S when accumulate).
 template <typename T>
