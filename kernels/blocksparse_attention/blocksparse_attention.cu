@@ -10,14 +10,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <typename T, int D>
 void launch_prefill(const blocksparse::Params& params, int64_t batch, int64_t q_heads, BlocksparseKernel which,
                     cudaStream_t stream) {
-    auto kernel = which == BlocksparseKernel::kWgmma            ? blocksparse::prefill_wgmma_kernel<T, D, 1>
-                  : which == BlocksparseKernel::kWgmmaTwoBlocks ? blocksparse::prefill_wgmma_kernel<T, D, 2>
-                                                                : blocksparse::prefill_mma_kernel<T, D>;
-    const int threads = which == BlocksparseKernel::kMma ? blocksparse::kMmaThreads : blocksparse::kWgmmaThreads;
-    const int stages = which == BlocksparseKernel::kWgmma            ? blocksparse::wgmma_stages<1>()
-                       : which == BlocksparseKernel::kWgmmaTwoBlocks ? blocksparse::wgmma_stages<2>()
-                                                                     : blocksparse::kMmaStages;
-    const int smem = stages == 3 ? blocksparse::smem_bytes<T, D, 3>() : blocksparse::smem_bytes<T, D, 2>();
+    const bool wgmma = which == BlocksparseKernel::kWgmma;
+    auto kernel = wgmma ? blocksparse::prefill_wgmma_kernel<T, D> : blocksparse::prefill_mma_kernel<T, D>;
+    const int threads = wgmma ? blocksparse::kWgmmaThreads : blocksparse::kMmaThreads;
+    constexpr int smem = blocksparse::smem_bytes<T, D>();  // 97 KB at D 128
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);  // per device
     const dim3 grid((params.q_tiles + 1) / 2, (unsigned)q_heads, (unsigned)batch);
     kernel<<<grid, threads, smem, stream>>>(params);

@@ -9,8 +9,8 @@
 // bank conflicts and is the canonical layout wgmma reads.
 //
 // Two kernels share that skeleton:
-// - wgmma (sm_90a): 2 warpgroups, one per query tile; S = Q K^T with both operands in shared memory,
-//   O += P V with P from registers and V read N-major (no transpose pass);
+// - wgmma (sm_90a): 2 warpgroups, one per query tile, two blocks per SM; S = Q K^T with both operands
+//   in shared memory, O += P V with P from registers and V read N-major (no transpose pass);
 // - mma.sync m16n8k16 (sm_80+): 4 warps of 32 rows, fragments through ldmatrix.
 #pragma once
 #include "blocksparse_attention.h"
@@ -31,8 +31,12 @@ constexpr int kQueryRows = 2 * kTile;   // a block's two query tiles
 constexpr int kKeyTiles = kTile / 8;    // n8 tiles of S per key tile
 constexpr int kSmemAlign = 1024;        // a 128-byte swizzle pattern repeats every 1024 bytes
 
+// Depth of the K/V ring. Both kernels fit two blocks per SM with 2 stages (97 KB at D 128); a wgmma
+// shape with one block per SM and 3 stages ran 18% slower (docs/perf-notes.md).
+constexpr int kStages = 2;
+
 // Shared memory of a kernel: Q (128 rows), then kStages stages of K and V (64 rows each).
-template <typename T, int D, int kStages>
+template <typename T, int D>
 constexpr int smem_bytes() {
     return kSmemAlign + (kQueryRows + kStages * 2 * kTile) * D * (int)sizeof(T);
 }
@@ -147,7 +151,7 @@ struct PairTask {
 // kStages; one cp.async group per tile, Q in the first). Two cursors walk the same merged lists: one
 // issues loads ahead, one follows with the computation. kAsyncProxy: the tiles are read by wgmma (the
 // async proxy), so each thread fences its copies before the barrier.
-template <typename T, int D, int kThreads, int kStages, bool kAsyncProxy, typename Compute>
+template <typename T, int D, int kThreads, bool kAsyncProxy, typename Compute>
 __device__ __forceinline__ void visit_kept_tiles(const Params& p, PairTask<T>& task, T* q_smem, T* kv_smem,
                                                  Compute&& compute) {
     if (task.lists.done()) return;
@@ -282,7 +286,6 @@ __device__ __forceinline__ T* aligned_smem(unsigned char* raw) {
 // ---- mma.sync kernel: 4 warps, 32 rows (two m16 tiles) each; warps 0-1 the first query tile ----
 
 constexpr int kMmaThreads = 128;
-constexpr int kMmaStages = 2;  // 97 KB at D 128: two blocks per SM
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kMmaThreads, 2) prefill_mma_kernel(const Params p) {
@@ -303,7 +306,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) prefill_mma_kernel(const Param
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) row_max[mt][0] = row_max[mt][1] = -INFINITY;
 
-    visit_kept_tiles<T, D, kMmaThreads, kMmaStages, false>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
+    visit_kept_tiles<T, D, kMmaThreads, false>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
                                                                                 const T* k_tile, const T* v_tile) {
         if (!((keepers >> half) & 1)) return;
         float s[2][kKeyTiles][4] = {};
@@ -354,16 +357,10 @@ __global__ void __launch_bounds__(kMmaThreads, 2) prefill_mma_kernel(const Param
 
 constexpr int kWgmmaThreads = 256;
 
-// Two shapes: one block per SM with a 3-stage ring (129 KB at D 128, up to 255 registers), or two
-// blocks per SM with 2 stages, registers capped at 128 (a few spill), whose warpgroups are not held
-// in step by each other's barriers.
-template <int kBlocksPerSm>
-constexpr int wgmma_stages() {
-    return kBlocksPerSm == 1 ? 3 : 2;
-}
-
-template <typename T, int D, int kBlocksPerSm>
-__global__ void __launch_bounds__(kWgmmaThreads, kBlocksPerSm) prefill_wgmma_kernel(const Params p) {
+// Two blocks per SM: registers capped at 128 (a few bytes spill at D 128), so that the warpgroups of
+// one block, held in step by its barriers, interleave with the other block's.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWgmmaThreads, 2) prefill_wgmma_kernel(const Params p) {
 #ifdef MINFER_BLOCKSPARSE_WGMMA
     constexpr int kDimTiles = D / 8;
     constexpr uint32_t kRowBytes = 128;  // one panel row
@@ -380,8 +377,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, kBlocksPerSm) prefill_wgmma_ker
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
     auto& o_flat = reinterpret_cast<float(&)[D / 2]>(o);
 
-    constexpr int kStages = wgmma_stages<kBlocksPerSm>();
-    visit_kept_tiles<T, D, kWgmmaThreads, kStages, true>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
+    visit_kept_tiles<T, D, kWgmmaThreads, true>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
                                                                                       const T* k_tile,
                                                                                       const T* v_tile) {
         if (!((keepers >> group) & 1)) return;

@@ -7,9 +7,8 @@ namespace minfer {
 // Query and key tile of the kernel, in tokens: the compact layout's lists are at this granularity.
 constexpr int kBlocksparseTile = 64;
 
-// Which kernel runs: auto picks wgmma (one block per SM) on sm_90 (built for sm_90a), mma.sync elsewhere;
-// kWgmmaTwoBlocks is the wgmma kernel capped at 128 registers so that two blocks share an SM.
-enum class BlocksparseKernel : int { kAuto = 0, kWgmma = 1, kWgmmaTwoBlocks = 2, kMma = 3 };
+// Which kernel runs: auto picks wgmma on sm_90 (built for sm_90a), mma.sync elsewhere.
+enum class BlocksparseKernel : int { kAuto = 0, kWgmma = 1, kMma = 2 };
 
 // A [B, H, S, D] tensor's element strides for batch, head and position (the last dim is contiguous).
 struct AttnStrides {

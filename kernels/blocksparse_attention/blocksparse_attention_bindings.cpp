@@ -65,18 +65,16 @@ void blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     run_blocksparse_attention(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out, minfer::BlocksparseKernel::kAuto);
 }
 
-// The same op with the kernel named (benchmarks, tests): "wgmma", "wgmma_two_blocks" (sm_90a) or "mma".
+// The same op with the kernel named (benchmarks, tests): "wgmma" (sm_90a) or "mma".
 void blocksparse_attention_tuned(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& tile_ptr, const at::Tensor& key_tiles, int64_t layout_heads,
                                  double scale, at::Tensor& out, c10::string_view kernel) {
     minfer::BlocksparseKernel which = minfer::BlocksparseKernel::kMma;
     if (kernel == "wgmma")
         which = minfer::BlocksparseKernel::kWgmma;
-    else if (kernel == "wgmma_two_blocks")
-        which = minfer::BlocksparseKernel::kWgmmaTwoBlocks;
     else
-        TORCH_CHECK(kernel == "mma", "minfer.blocksparse_attention_tuned: kernel must be wgmma, wgmma_two_blocks or mma");
-    if (which != minfer::BlocksparseKernel::kMma) {
+        TORCH_CHECK(kernel == "mma", "minfer.blocksparse_attention_tuned: kernel must be wgmma or mma");
+    if (which == minfer::BlocksparseKernel::kWgmma) {
         int major = 0;
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index());
         TORCH_CHECK(major == 9, "minfer.blocksparse_attention_tuned: the wgmma kernels need an sm_90 GPU");

@@ -68,7 +68,7 @@ def _blocksparse_attention_tuned_fake(q, k, v, tile_ptr, key_tiles, layout_heads
 
 
 # The kernels blocksparse_attention(kernel=...) can name; "auto" is wgmma on sm_90, mma elsewhere.
-KERNELS = ("auto", "wgmma", "wgmma_two_blocks", "mma")
+KERNELS = ("auto", "wgmma", "mma")
 
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
