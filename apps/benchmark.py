@@ -7,6 +7,7 @@ Examples:
   python apps/benchmark.py --suite e2e --model llama2-7b --prompt-tokens 512 --new-tokens 256
   python apps/benchmark.py --suite macko-e2e --densities 1.0,0.5,0.1 --plot out/macko.png
   python apps/benchmark.py --suite macko --densities 0.3,0.5 --shapes 12288x4096 --json out/macko.json
+  python apps/benchmark.py --suite attention --lengths 8192,16384 --json out/attn.json --plot out/attn.png
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
@@ -14,7 +15,8 @@ suite times a random-weight model at batch 1 with minfer's kernels and with the 
 the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, and reports decode
 speed and peak memory against dense (beside other suites its plot goes next to --plot, suffixed
 -macko-e2e). The macko suite is the MACKO kernel study of minfer.bench.macko_suite without its
-launch sweep.
+launch sweep. The attention suite times block-sparse prefill against SDPA and FlexAttention (same
+BlockMask) per length and layout, and fits time against the kept-block fraction (--plot draws it).
 
 Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
 went away (e.g. `| head`).
@@ -27,13 +29,15 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, no install
+# Run from a checkout, no install. The repo root replaces apps/ (sys.path[0]), whose profile.py would
+# shadow the standard-library module that torch.compile imports (the attention suite's FlexAttention).
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 
-from minfer.cli import ArgumentParser, run_main  # noqa: E402
 from minfer import ops  # noqa: E402
-from minfer.bench import e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
+from minfer.cli import ArgumentParser, run_main  # noqa: E402
+from minfer.bench import attention_suite, e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
@@ -47,9 +51,9 @@ E2E_SUITES = ("e2e", "macko-e2e", "all")
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "all"), default="all",
+    parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__)
+    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "attention", "all"),
+                        default="all",
                         help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
                              "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
                              "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep)")
@@ -76,6 +80,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default=None,
                         help="e2e suites: where minfer keeps the token embedding (default host: pinned memory, one "
                              "row read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
+    parser.add_argument("--lengths", type=csv_list, default=None, metavar="S,...",
+                        help="attention: sequence lengths (default: "
+                             f"{','.join(str(n) for n in attention_suite.LENGTHS)})")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a PNG of speedups and bandwidth (kernels, e2e and macko-e2e suites)")
@@ -84,7 +91,8 @@ def build_parser() -> ArgumentParser:
 
 # The suites each optional flag applies to; given with any other suite it would be ignored.
 FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
-               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "all"),
+               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "attention", "all"),
+               "lengths": ("attention",),
                "reps": ("kernels", "macko", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
                "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}
 
@@ -135,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
             macko_shapes = matrix_shape_list(",".join(args.shapes))
         except argparse.ArgumentTypeError as e:
             raise MinferError(f"--shapes: {e}") from None
+    lengths = attention_suite.LENGTHS
+    if args.lengths:
+        if not all(n.isdigit() and int(n) >= 1 for n in args.lengths):
+            raise MinferError(f"--lengths: whole numbers >= 1, got {','.join(args.lengths)}")
+        lengths = tuple(int(n) for n in args.lengths)
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
     ops.build()
@@ -145,11 +158,14 @@ def run(args: argparse.Namespace) -> int:
     e2e_rows: list[dict] = []
     macko_rows: list[dict] = []
     macko_kernel_rows: dict[str, list[dict]] = {}
+    attention_rows: list[dict] = []
+    attention_fit: dict = {}
 
     def write_json() -> None:  # after every suite, so a run cut short keeps what it measured
         if args.json:
             report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
-                                               "macko": macko_kernel_rows})
+                                               "macko": macko_kernel_rows, "attention": attention_rows,
+                                               "attention_fit": attention_fit})
 
     if args.suite in ("kernels", "all"):
         copy_gbs, kernel_rows = kernel_suite.run(
@@ -173,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
                                               f"{row['minfer_ms']:.4f} ms", flush=True))
         env["copy_gbs"] = round(copy_gbs, 1)
         write_json()
+    if args.suite == "attention":
+        ceilings, attention_rows, attention_fit = attention_suite.run(
+            lengths, dtype, on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
+                                                     f"{row['minfer_ms']:.3f} ms", flush=True))
+        env.update({key: round(value, 1) for key, value in ceilings.items()})
+        write_json()
     if args.suite in ("macko-e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         densities = args.densities or macko_suite.E2E_DENSITIES
@@ -183,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
             on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True),
             embedding=args.embedding)
     print(f"device copy bandwidth: {env['copy_gbs']:.0f} GB/s (read + write)")
+    if attention_rows:
+        attention_suite.print_report(env, attention_rows, attention_fit, args.dtype)
     if kernel_rows:
         report.print_table(f"kernels ({env.get('device')}, {args.dtype})", kernel_suite.COLUMNS, kernel_rows)
     if e2e_rows:
@@ -199,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot and (kernel_rows or e2e_rows):
         report.plot(args.plot, env, kernel_rows, e2e_rows)
+        print(f"wrote {args.plot}")
+    if args.plot and attention_fit:
+        attention_suite.plot_fraction(args.plot, attention_fit, f"block-sparse prefill at {attention_fit['seq_len']}, "
+                                                                f"{env.get('device')}")
         print(f"wrote {args.plot}")
     if args.plot and macko_rows:
         path = Path(args.plot)

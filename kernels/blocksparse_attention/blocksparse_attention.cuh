@@ -1,0 +1,424 @@
+// Block-sparse flash attention (prefill) on tensor cores. Framework-free; included by blocksparse_attention.cu.
+//
+// A block takes a pair of 64-token query tiles (128 rows) of one head. The two tiles' ascending key-tile
+// lists are merged on the fly, so a key tile both keep is loaded once for 128 rows (every tile of a
+// block-128 layout, most tiles of a dense one); the warps of a tile skip the key tiles its list lacks.
+// K/V tiles are double-buffered with cp.async: tile n+1 is in flight while tile n is computed. Online
+// softmax in base 2 with fp32 statistics and accumulators; the causal mask applies on the diagonal tile.
+// Shared tiles are stored in 64-column panels with the 128-byte swizzle, which keeps ldmatrix free of
+// bank conflicts and is the canonical layout wgmma reads.
+//
+// Two kernels share that skeleton:
+// - wgmma (sm_90a): 2 warpgroups, one per query tile, two blocks per SM; S = Q K^T with both operands
+//   in shared memory, O += P V with P from registers and V read N-major (no transpose pass);
+// - mma.sync m16n8k16 (sm_80+): 4 warps of 32 rows, fragments through ldmatrix.
+#pragma once
+#include "blocksparse_attention.h"
+#include "common/device_utils.cuh"
+#include "wgmma_ops.cuh"
+
+#include <climits>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MINFER_BLOCKSPARSE_WGMMA 1
+#endif
+
+namespace minfer {
+namespace blocksparse {
+
+constexpr int kTile = kBlocksparseTile;
+constexpr int kQueryRows = 2 * kTile;   // a block's two query tiles
+constexpr int kKeyTiles = kTile / 8;    // n8 tiles of S per key tile
+constexpr int kSmemAlign = 1024;        // a 128-byte swizzle pattern repeats every 1024 bytes
+
+// Depth of the K/V ring. Both kernels fit two blocks per SM with 2 stages (97 KB at D 128); a wgmma
+// shape with one block per SM and 3 stages ran 18% slower (docs/perf-notes.md).
+constexpr int kStages = 2;
+
+// Shared memory of a kernel: Q (128 rows), then kStages stages of K and V (64 rows each).
+template <typename T, int D>
+constexpr int smem_bytes() {
+    return kSmemAlign + (kQueryRows + kStages * 2 * kTile) * D * (int)sizeof(T);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void ldmatrix_x4_transposed(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// Two fp32 values rounded to T and packed as one mma operand register (`lo` in the low half).
+template <typename T>
+__device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
+    uint32_t bits;
+    if constexpr (std::is_same_v<T, half>) {
+        const __half2 pair = __floats2half2_rn(lo, hi);
+        memcpy(&bits, &pair, sizeof(bits));
+    } else {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+        memcpy(&bits, &pair, sizeof(bits));
+    }
+    return bits;
+}
+
+struct Params {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    const int* tile_ptr;
+    const int* key_tiles;
+    AttnStrides q_strides, k_strides, v_strides, out_strides;
+    int seq_len, q_tiles, q_heads, kv_heads, layout_heads;
+    float scale_log2;  // softmax scale * log2(e)
+};
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a tile of kRows rows: 64-column panels of
+// kRows x 128 bytes, chunk c of a row at c ^ (row % 8) within its panel.
+template <int kRows>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+    return (chunk / 8) * kRows * 64 + row * 64 + (((chunk % 8) ^ (row & 7)) * 8);
+}
+
+// Copies kRows rows (row `first` on, `row_stride` elements apart) into a swizzled tile; rows at or
+// past seq_len are zero-filled, never read.
+template <typename T, int D, int kRows, int kThreads>
+__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int first, int seq_len) {
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+        const int r = i / kChunks, c = i % kChunks;
+        const bool valid = first + r < seq_len;
+        const T* from = src + (valid ? (int64_t)(first + r) * row_stride : 0) + c * 8;
+        cp_async_16(smem_addr(tile + swizzled<kRows>(r, c)), from, valid);
+    }
+}
+
+// The two query tiles' key-tile lists, merged: each step yields the next key tile in ascending order
+// and which tiles keep it (bit 0: the first, bit 1: the second).
+struct MergedLists {
+    const int* key_tiles;
+    int a, a_end, b, b_end;
+
+    __device__ bool done() const { return a >= a_end && b >= b_end; }
+
+    __device__ int pop(int& keepers) {
+        const int ka = a < a_end ? key_tiles[a] : INT_MAX;
+        const int kb = b < b_end ? key_tiles[b] : INT_MAX;
+        const int k = min(ka, kb);
+        keepers = (ka == k ? 1 : 0) | (kb == k ? 2 : 0);
+        a += ka == k;
+        b += kb == k;
+        return k;
+    }
+};
+
+// This block's view of the problem: its pair of query tiles, their head's pointers and merged lists.
+template <typename T>
+struct PairTask {
+    const T* q;
+    const T* k;
+    const T* v;
+    T* out;
+    int first;  // the first query tile; the second is first + 1 when it exists
+    MergedLists lists;
+
+    __device__ explicit PairTask(const Params& p) {
+        const int pair = gridDim.x - 1 - blockIdx.x;  // causal lists grow with the tile: longest first
+        const int h = blockIdx.y, b = blockIdx.z;
+        const int kv_head = h / (p.q_heads / p.kv_heads);
+        q = static_cast<const T*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
+        k = static_cast<const T*>(p.k) + b * p.k_strides.batch + kv_head * p.k_strides.head;
+        v = static_cast<const T*>(p.v) + b * p.v_strides.batch + kv_head * p.v_strides.head;
+        out = static_cast<T*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
+        first = 2 * pair;
+        const int* lists_of_head = p.tile_ptr + (p.layout_heads == 1 ? 0 : h) * p.q_tiles;
+        const bool has_second = first + 1 < p.q_tiles;  // an odd tile count leaves the last block one tile
+        lists = {p.key_tiles, lists_of_head[first], lists_of_head[first + 1],
+                 has_second ? lists_of_head[first + 1] : 0, has_second ? lists_of_head[first + 2] : 0};
+    }
+};
+
+// Loads Q, then calls compute(key_tile, keepers, k_tile, v_tile) for each merged key tile with that
+// tile's K and V resident in shared memory and the next kStages - 1 tiles in flight (a ring of
+// kStages; one cp.async group per tile, Q in the first). Two cursors walk the same merged lists: one
+// issues loads ahead, one follows with the computation. kAsyncProxy: the tiles are read by wgmma (the
+// async proxy), so each thread fences its copies before the barrier.
+template <typename T, int D, int kThreads, bool kAsyncProxy, typename Compute>
+__device__ __forceinline__ void visit_kept_tiles(const Params& p, PairTask<T>& task, T* q_smem, T* kv_smem,
+                                                 Compute&& compute) {
+    if (task.lists.done()) return;
+    MergedLists loads = task.lists, computes = task.lists;
+    auto issue_next = [&](int stage) {
+        if (!loads.done()) {
+            int keepers;
+            const int key_tile = loads.pop(keepers);
+            T* k_tile = kv_smem + stage * 2 * kTile * D;
+            load_tile<T, D, kTile, kThreads>(k_tile, task.k, p.k_strides.seq, key_tile * kTile, p.seq_len);
+            load_tile<T, D, kTile, kThreads>(k_tile + kTile * D, task.v, p.v_strides.seq, key_tile * kTile,
+                                             p.seq_len);
+        }
+        cp_async_commit();  // empty past the end: the group count per tile stays fixed
+    };
+    load_tile<T, D, kQueryRows, kThreads>(q_smem, task.q, p.q_strides.seq, task.first * kTile, p.seq_len);
+#pragma unroll
+    for (int stage = 0; stage < kStages - 1; ++stage) issue_next(stage);
+    for (int n = 0;; ++n) {
+        issue_next((n + kStages - 1) % kStages);  // the stage tile n - 1 used
+        cp_async_wait<kStages - 1>();             // tile n (group n) has landed
+        if constexpr (kAsyncProxy) fence_proxy_async_shared();
+        __syncthreads();
+        int keepers;
+        const int key_tile = computes.pop(keepers);
+        const T* k_tile = kv_smem + (n % kStages) * 2 * kTile * D;
+        compute(key_tile, keepers, k_tile, k_tile + kTile * D);
+        __syncthreads();  // a later issue overwrites this stage
+        if (computes.done()) break;
+    }
+}
+
+// One warp's online-softmax step over a key tile for kM m16 row tiles: s holds Q K^T (each thread rows
+// lane/4 and lane/4 + 8 of each m-tile, the quad's four lanes share a row) and becomes the tile's
+// probabilities; o is rescaled. `row0`: the tile row of the warp's first row; on the diagonal tile
+// key j is visible to query i when j <= i, and every row still sees its own key.
+template <int kM, int kDimTiles>
+__device__ __forceinline__ void softmax_step(float (&s)[kM][kKeyTiles][4], float (&o)[kM][kDimTiles][4],
+                                             float (&row_max)[kM][2], float (&row_sum)[kM][2], float scale_log2,
+                                             bool diagonal, int row0, int lane) {
+    if (diagonal) {
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = row0 + mt * 16 + lane / 4 + 8 * (e / 2);
+                    const int col = nt * 8 + 2 * (lane % 4) + e % 2;
+                    if (col > row) s[mt][nt][e] = -INFINITY;
+                }
+    }
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < kKeyTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hr], s[mt][nt][2 * hr + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(row_max[mt][hr], mx * scale_log2);
+            const float alpha = fast_exp2(row_max[mt][hr] - m_new);
+            row_max[mt][hr] = m_new;
+            float sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+                for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+                    s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - m_new);
+                    sum += s[mt][nt][e];
+                }
+            row_sum[mt][hr] = row_sum[mt][hr] * alpha + sum;
+            if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // no row of the warp has a new maximum: O stays
+#pragma unroll
+                for (int dt = 0; dt < kDimTiles; ++dt) {
+                    o[mt][dt][2 * hr] *= alpha;
+                    o[mt][dt][2 * hr + 1] *= alpha;
+                }
+            }
+        }
+}
+
+// P for k-step ks (keys 16 ks .. 16 ks + 15) of m-tile mt as an A operand: S's accumulator layout
+// of n8 tiles 2 ks and 2 ks + 1 is the m16n8k16 (and wgmma register) A fragment.
+template <typename T, int kM>
+__device__ __forceinline__ void probabilities_as_a(uint32_t (&a)[4], const float (&s)[kM][kKeyTiles][4], int mt,
+                                                   int ks) {
+    a[0] = round_pair<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+    a[1] = round_pair<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+    a[2] = round_pair<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+    a[3] = round_pair<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+}
+
+// Epilogue of one warp: O / row sum (zeros for rows that kept no key tile), staged through the warp's
+// own rows of the Q tile (after a barrier: Q is no longer read) so that global stores are 16 bytes wide.
+// `smem_row0`: the warp's first row in the Q tile; `out_row0`: its sequence position.
+template <typename T, int D, int kM>
+__device__ __forceinline__ void store_rows(const float (&o)[kM][D / 8][4], const float (&row_sum)[kM][2],
+                                           T* q_smem, int smem_row0, T* out, int64_t out_stride, int out_row0,
+                                           int seq_len, int lane) {
+    constexpr int kChunks = D / 8;
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float sum = row_sum[mt][hr];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int row = smem_row0 + mt * 16 + lane / 4 + 8 * hr;
+#pragma unroll
+            for (int dt = 0; dt < kChunks; ++dt)
+                *reinterpret_cast<uint32_t*>(q_smem + swizzled<kQueryRows>(row, dt) + 2 * (lane % 4)) =
+                    round_pair<T>(o[mt][dt][2 * hr] * inv, o[mt][dt][2 * hr + 1] * inv);
+        }
+    __syncwarp();
+#pragma unroll
+    for (int i = lane; i < kM * 16 * kChunks; i += 32) {
+        const int r = i / kChunks, c = i % kChunks;
+        if (out_row0 + r < seq_len)
+            *reinterpret_cast<uint4*>(out + (int64_t)(out_row0 + r) * out_stride + c * 8) =
+                *reinterpret_cast<const uint4*>(q_smem + swizzled<kQueryRows>(smem_row0 + r, c));
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ T* aligned_smem(unsigned char* raw) {
+    return reinterpret_cast<T*>(raw + ((kSmemAlign - smem_addr(raw) % kSmemAlign) % kSmemAlign));
+}
+
+// ---- mma.sync kernel: 4 warps, 32 rows (two m16 tiles) each; warps 0-1 the first query tile ----
+
+constexpr int kMmaThreads = 128;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads, 2) prefill_mma_kernel(const Params p) {
+    constexpr int kDimSteps = D / 16;  // k-steps of S = Q K^T
+    constexpr int kDimTiles = D / 8;   // n-tiles of O = P V
+    extern __shared__ unsigned char smem_raw[];
+    T* q_smem = aligned_smem<T>(smem_raw);
+    T* kv_smem = q_smem + kQueryRows * D;
+
+    PairTask<T> task(p);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int half = warp / 2;                 // which of the two query tiles this warp computes
+    const int tile_row0 = (warp % 2) * 32;     // the warp's first row inside its tile
+    const int block_row0 = half * kTile + tile_row0;
+
+    float o[2][kDimTiles][4] = {};
+    float row_max[2][2], row_sum[2][2] = {};
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) row_max[mt][0] = row_max[mt][1] = -INFINITY;
+
+    visit_kept_tiles<T, D, kMmaThreads, false>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
+                                                                                const T* k_tile, const T* v_tile) {
+        if (!((keepers >> half) & 1)) return;
+        float s[2][kKeyTiles][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kDimSteps; ++kk) {
+            uint32_t qa[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                ldmatrix_x4(qa[mt], smem_addr(q_smem + swizzled<kQueryRows>(block_row0 + mt * 16 + lane % 16,
+                                                                            2 * kk + lane / 16)));
+#pragma unroll
+            for (int np = 0; np < kKeyTiles / 2; ++np) {
+                uint32_t kb[4];
+                ldmatrix_x4(kb, smem_addr(k_tile + swizzled<kTile>(np * 16 + lane % 8 + 8 * (lane / 16),
+                                                                  2 * kk + (lane / 8) % 2)));
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_m16n8k16<T>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+                    mma_m16n8k16<T>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
+                }
+            }
+        }
+        softmax_step(s, o, row_max, row_sum, p.scale_log2, key_tile == task.first + half, tile_row0, lane);
+#pragma unroll
+        for (int ks = 0; ks < kTile / 16; ++ks) {
+            uint32_t pa[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) probabilities_as_a<T>(pa[mt], s, mt, ks);
+#pragma unroll
+            for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+                uint32_t vb[4];
+                ldmatrix_x4_transposed(vb, smem_addr(v_tile + swizzled<kTile>(ks * 16 + lane % 8 + 8 * ((lane / 8) % 2),
+                                                                              2 * dp + lane / 16)));
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    mma_m16n8k16<T>(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    mma_m16n8k16<T>(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    });
+    __syncthreads();  // every warp is done with Q before any stages its output there
+    store_rows<T, D, 2>(o, row_sum, q_smem, block_row0, task.out, p.out_strides.seq,
+                        task.first * kTile + block_row0, p.seq_len, lane);
+}
+
+// ---- wgmma kernel: 2 warpgroups, warpgroup g computes query tile first + g; warp w of it rows 16 w.. ----
+
+constexpr int kWgmmaThreads = 256;
+
+// Two blocks per SM: registers capped at 128 (a few bytes spill at D 128), so that the warpgroups of
+// one block, held in step by its barriers, interleave with the other block's.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWgmmaThreads, 2) prefill_wgmma_kernel(const Params p) {
+#ifdef MINFER_BLOCKSPARSE_WGMMA
+    constexpr int kDimTiles = D / 8;
+    constexpr uint32_t kRowBytes = 128;  // one panel row
+    extern __shared__ unsigned char smem_raw[];
+    T* q_smem = aligned_smem<T>(smem_raw);
+    T* kv_smem = q_smem + kQueryRows * D;
+
+    PairTask<T> task(p);
+    const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int tile_row0 = warp * 16;
+    const uint32_t q_rows = smem_addr(q_smem) + group * kTile * kRowBytes;  // this warpgroup's 64 rows
+
+    float o[1][kDimTiles][4] = {};
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {};
+    auto& o_flat = reinterpret_cast<float(&)[D / 2]>(o);
+
+    visit_kept_tiles<T, D, kWgmmaThreads, true>(p, task, q_smem, kv_smem, [&](int key_tile, int keepers,
+                                                                                      const T* k_tile,
+                                                                                      const T* v_tile) {
+        if (!((keepers >> group) & 1)) return;
+        float s[1][kKeyTiles][4];
+        auto& s_flat = reinterpret_cast<float(&)[32]>(s);
+        const uint32_t k_addr = smem_addr(k_tile), v_addr = smem_addr(v_tile);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {  // 16 dims: panel kk / 4, (kk % 4) * 32 bytes into its rows
+            const uint32_t panel = kk / 4, in_row = (kk % 4) * 32;
+            wgmma_m64n64k16_ss<T>(s_flat, k_major_descriptor(q_rows + panel * kQueryRows * kRowBytes + in_row),
+                                  k_major_descriptor(k_addr + panel * kTile * kRowBytes + in_row), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_accumulators(s_flat);
+        fence_accumulators(o_flat);
+        softmax_step(s, o, row_max, row_sum, p.scale_log2, key_tile == task.first + group, tile_row0, lane);
+        uint32_t pa[kTile / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < kTile / 16; ++ks) probabilities_as_a<T, 1>(pa[ks], s, 0, ks);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 keys: rows 16 ks.. of every panel
+            const uint64_t v_desc = panel_descriptor(v_addr + ks * 16 * kRowBytes, kTile * kRowBytes);
+            if constexpr (D == 128)
+                wgmma_m64n128k16_rs<T>(o_flat, pa[ks], v_desc);
+            else
+                wgmma_m64n64k16_rs<T>(o_flat, pa[ks], v_desc);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_accumulators(o_flat);
+    });
+    __syncthreads();  // every warpgroup's wgmma reads of Q are done before any warp stages its output there
+    store_rows<T, D, 1>(o, row_sum, q_smem, group * kTile + tile_row0, task.out, p.out_strides.seq,
+                        (task.first + group) * kTile + tile_row0, p.seq_len, lane);
+#else
+    __trap();  // built without sm_90a: the launcher never picks this kernel
+#endif
+}
+
+}  // namespace blocksparse
+}  // namespace minfer

@@ -1,0 +1,204 @@
+"""Attention benchmark: minfer's block-sparse prefill kernel against torch SDPA (dense causal) and
+FlexAttention given the same BlockMask, B=1, H=32, D=128, across lengths and layouts, and the prefill
+time against the kept-block fraction with the R^2 of a straight-line fit.
+
+Each case states its floor: max(FLOPs / the matrix rate, bytes / the copy rate), both measured in the
+same run. FLOPs count the (query, key) pairs the layout's kept tiles hold, 4 * D per pair (Q K^T and
+P V); bytes are Q, K, V and the output once each.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.blocksparse_ops import blocksparse_attention
+from ..attention.layouts import KERNEL_TILE, build_layout, compact
+from .report import Column
+from .timing import copy_bandwidth_gbs, time_graph
+
+HEADS, HEAD_DIM, BLOCK_SIZE = 32, 128, 128
+LENGTHS = (4096, 8192, 16384, 32768)
+SINK_WINDOW = "sink-window:sink=128,window=1024"
+LAYOUTS = ("dense", SINK_WINDOW, "strided:local=1024,stride=2048", "bigbird:window=1024,global=128,random=4,seed=0")
+FRACTION_LENGTH = 16384
+FRACTION_WINDOWS = (256, 1024, 2048, 4096, 8192, 12288)  # with sink=128: 6% to 94% kept; dense adds 100%
+
+COLUMNS = [
+    Column("layout", "layout"),
+    Column("seq_len", "S"),
+    Column("kept", "kept", "{:.3f}"),
+    Column("floor_ms", "floor ms", "{:.3f}"),
+    Column("minfer_ms", "minfer ms", "{:.3f}"),
+    Column("tflops", "TFLOP/s", "{:.0f}"),
+    Column("of_floor", "floor/minfer", "{:.2f}"),
+    Column("sdpa_ms", "SDPA causal ms", "{:.3f}"),
+    Column("vs_sdpa", "SDPA/minfer", "{:.2f}"),
+    Column("flex_ms", "Flex ms", "{:.3f}"),
+    Column("vs_flex", "Flex/minfer", "{:.2f}"),
+]
+
+
+def matmul_tflops() -> float:
+    """fp16 8192^3 matrix product through torch (cuBLAS): the matrix-unit ceiling of this run."""
+    a = torch.randn(8192, 8192, dtype=torch.float16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.float16, device="cuda")
+    ms = time_graph(lambda i: torch.mm(a, b), copies=1, replays=10)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def kept_pairs(layout: torch.Tensor, seq_len: int, heads: int) -> int:
+    """(query, key) pairs the kernel computes for all heads: full tiles, plus the causal half of diagonal ones."""
+    packed = compact(layout, seq_len, BLOCK_SIZE)
+    tiles = packed.tile_layout()
+    diagonal = tiles.diagonal(dim1=-2, dim2=-1).sum().item()
+    pairs = (tiles.sum().item() - diagonal) * KERNEL_TILE**2 + diagonal * KERNEL_TILE * (KERNEL_TILE + 1) // 2
+    return pairs * (heads // layout.shape[0])
+
+
+def flex_block_mask(layout: torch.Tensor, seq_len: int):
+    """FlexAttention's BlockMask of the same layout: off-diagonal kept blocks are full, diagonal ones
+    partial (causal mask_mod)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = layout.shape[-1]
+    diagonal = torch.eye(n, dtype=torch.bool)
+    full = layout & ~diagonal
+    partial = layout & diagonal
+
+    def as_kv_blocks(kept: torch.Tensor):
+        counts = kept.sum(-1).to(torch.int32)
+        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # kept blocks first
+        return counts[None].cuda(), order[None].cuda()
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    return BlockMask.from_kv_blocks(*as_kv_blocks(partial), *as_kv_blocks(full), BLOCK_SIZE=BLOCK_SIZE,
+                                    mask_mod=causal, seq_lengths=(seq_len, seq_len))
+
+
+def _inputs(seq_len: int, dtype: torch.dtype):
+    shape = (1, HEADS, seq_len, HEAD_DIM)
+    return [torch.randn(shape, dtype=dtype, device="cuda") for _ in range(3)] + [torch.empty(shape, dtype=dtype,
+                                                                                               device="cuda")]
+
+
+def _time(fn: Callable[[], object]) -> float:
+    return time_graph(lambda i: fn(), copies=1, replays=10)
+
+
+def kernel_variants() -> tuple[str, ...]:
+    """The kernels timed beside the default (wgmma on sm_90) at FRACTION_LENGTH: mma.sync."""
+    return ("mma",) if torch.cuda.get_device_capability()[0] == 9 else ()
+
+
+def prefill_row(layout_name: str, seq_len: int, dtype: torch.dtype, copy_gbs: float, tflops_ceiling: float,
+                flex: Callable | None, sdpa_ms: float | None, variants: tuple[str, ...] = ()) -> dict:
+    q, k, v, out = _inputs(seq_len, dtype)
+    layout = build_layout(layout_name, HEADS, seq_len, BLOCK_SIZE)
+    packed = compact(layout, seq_len, BLOCK_SIZE).to("cuda")
+    scale = 1 / math.sqrt(HEAD_DIM)
+    flops = 4 * HEAD_DIM * kept_pairs(layout, seq_len, HEADS)
+    nbytes = 4 * q.numel() * q.element_size()
+    floor_ms = max(flops / (tflops_ceiling * 1e12), nbytes / (copy_gbs * 1e9)) * 1e3
+    minfer_ms = _time(lambda: blocksparse_attention(q, k, v, packed, scale, out))
+    row = {"layout": layout_name, "seq_len": seq_len, "kept": packed.kept_fraction(), "flops": flops,
+           "bytes": nbytes, "floor_ms": floor_ms, "minfer_ms": minfer_ms,
+           "tflops": flops / (minfer_ms * 1e-3) / 1e12, "of_floor": floor_ms / minfer_ms, "sdpa_ms": sdpa_ms,
+           "vs_sdpa": sdpa_ms / minfer_ms if sdpa_ms else None}
+    for kernel in variants:
+        row[f"{kernel}_ms"] = _time(lambda: blocksparse_attention(q, k, v, packed, scale, out, kernel=kernel))
+    if flex is not None:
+        try:
+            mask = flex_block_mask(layout, seq_len)
+            row["flex_ms"] = _time(lambda: flex(q, k, v, block_mask=mask, scale=scale))
+            row["vs_flex"] = row["flex_ms"] / minfer_ms
+        except Exception as exc:  # a baseline that fails to compile or run leaves its cells empty, not the suite
+            row["flex_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return row
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """(slope, intercept, R^2) of the least-squares line through the points."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    slope = sxy / sxx
+    return slope, my - slope * mx, sxy * sxy / (sxx * syy) if syy else 1.0
+
+
+def run(lengths: tuple[int, ...], dtype: torch.dtype, with_flex: bool = True,
+        on_row: Callable[[dict], None] = lambda row: None) -> tuple[dict, list[dict], dict]:
+    """(ceilings, prefill rows, the kept-fraction fit) for every length and layout."""
+    copy_gbs = copy_bandwidth_gbs()
+    ceiling = matmul_tflops()
+    flex = None
+    if with_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for seq_len in lengths:
+        q, k, v, _ = _inputs(seq_len, dtype)
+        sdpa_ms = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        del q, k, v
+        variants = kernel_variants() if seq_len == FRACTION_LENGTH else ()
+        for name in LAYOUTS:
+            rows.append(prefill_row(name, seq_len, dtype, copy_gbs, ceiling, flex, sdpa_ms, variants))
+            on_row(rows[-1])
+    fraction_rows = [row for row in rows if row["seq_len"] == FRACTION_LENGTH and row["layout"] == "dense"]
+    for window in FRACTION_WINDOWS:
+        fraction_rows.append(prefill_row(f"sink-window:sink=128,window={window}", FRACTION_LENGTH, dtype, copy_gbs,
+                                         ceiling, None, None))
+        on_row(fraction_rows[-1])
+    fit = {"seq_len": FRACTION_LENGTH, "kept": [r["kept"] for r in fraction_rows],
+           "minfer_ms": [r["minfer_ms"] for r in fraction_rows]}
+    fit["slope_ms"], fit["intercept_ms"], fit["r_squared"] = linear_fit(fit["kept"], fit["minfer_ms"])
+    return {"copy_gbs": copy_gbs, "matmul_tflops": ceiling}, rows, fit
+
+
+def print_report(env: dict, rows: list[dict], fit: dict, dtype_name: str) -> None:
+    """The prefill table, the kernel variants at FRACTION_LENGTH, and the kept-fraction fit."""
+    from .report import print_table
+
+    print_table(f"block-sparse prefill, B=1 H={HEADS} D={HEAD_DIM} ({env.get('device')}, {dtype_name}, layout "
+                f"blocks of {BLOCK_SIZE}; copy {env['copy_gbs']:.0f} GB/s, matmul {env['matmul_tflops']:.0f} TFLOP/s)",
+                COLUMNS, rows)
+    names = kernel_variants()
+    variant_rows = [row for row in rows if names and f"{names[0]}_ms" in row]
+    if variant_rows:
+        print_table("kernel variants (ms; minfer = the default)",
+                    [Column("layout", "layout"), Column("seq_len", "S"), Column("minfer_ms", "minfer", "{:.3f}")]
+                    + [Column(f"{name}_ms", name, "{:.3f}") for name in names], variant_rows)
+    for row in rows:
+        if "flex_error" in row:
+            print(f"FlexAttention failed at {row['layout']} {row['seq_len']}: {row['flex_error']}")
+    print(f"time vs kept fraction at {fit['seq_len']}: R^2 = {fit['r_squared']:.4f} over {len(fit['kept'])} layouts "
+          f"(kept {min(fit['kept']):.3f} to {max(fit['kept']):.3f}; {fit['slope_ms']:.3f} ms per unit kept + "
+          f"{fit['intercept_ms']:.3f} ms)")
+
+
+def plot_fraction(path: str, fit: dict, title: str) -> None:
+    """Prefill time against the kept-block fraction, with the straight-line fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(fit["kept"], fit["minfer_ms"], "o", label="minfer block-sparse prefill")
+    ax.plot([0, 1], [fit["intercept_ms"], fit["intercept_ms"] + fit["slope_ms"]], "-",
+            label=f"fit, R^2 = {fit['r_squared']:.4f}")
+    ax.set_xlabel("kept-block fraction")
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
