@@ -278,4 +278,4 @@ def test_graph_capture_replays_with_new_inputs():
     torch.cuda.synchronize()
     ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), layout, 0.09)
     assert rel_error(out, ref) < 2e-2
-    assert ops.backend() == "minfer"
+    assert ops.current_backend() == "minfer"

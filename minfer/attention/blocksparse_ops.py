@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
+from ..ops.runtime import fake_impl, use_kernels
 from .layouts import KERNEL_TILE, CompactLayout, LayoutError
 
 REFERENCE_ROWS = 1024  # query rows per step of the reference: bounds its [rows, S] score matrix
@@ -57,12 +57,12 @@ def blocksparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.T
     return out
 
 
-@ops.fake_impl("minfer::blocksparse_attention")
+@fake_impl("minfer::blocksparse_attention")
 def _blocksparse_attention_fake(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out):
     return None
 
 
-@ops.fake_impl("minfer::blocksparse_attention_tuned")
+@fake_impl("minfer::blocksparse_attention_tuned")
 def _blocksparse_attention_tuned_fake(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out, kernel):
     return None
 
@@ -91,7 +91,7 @@ def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     _check_shapes(q, k, v, layout)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if ops.use_kernels(q) and _kernel_takes(q, k, v, out):
+    if use_kernels(q) and _kernel_takes(q, k, v, out):
         if layout.tile_ptr.device != q.device:
             raise LayoutError(f"the layout lives on {layout.tile_ptr.device}, the attention on {q.device}; build it "
                               "with compact_layout(..., device=q.device) once, outside the step")
