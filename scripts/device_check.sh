@@ -3,13 +3,14 @@
 # compute-sanitizer (memcheck on the tests marked memcheck, less memcheck_skip; racecheck on those
 # marked racecheck, about one case per shared-memory kernel: racecheck is ~100x slower; the markers
 # are registered in pyproject.toml), the benchmarks, and the generate CLI. Logs and JSON go under
-# $OUT; a short summary is printed last.
+# $OUT; a short summary is printed last. Each of tests, sanitize and bench fits one 10-minute device
+# call; all runs the three.
 #   usage (GPU machine, repo root; no .git there, so pass the commit):
-#     MINFER_COMMIT=<sha> bash scripts/device_check.sh [all|tests|bench]
+#     MINFER_COMMIT=<sha> [WORKERS=4] bash scripts/device_check.sh [all|tests|sanitize|bench]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
-case "$what" in all|tests|bench) ;; *) echo "usage: device_check.sh [all|tests|bench]" >&2; exit 2 ;; esac
+case "$what" in all|tests|sanitize|bench) ;; *) echo "usage: device_check.sh [all|tests|sanitize|bench]" >&2; exit 2 ;; esac
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MINFER_BUILD_DIR=${MINFER_BUILD_DIR:-/tmp/minfer-build}
 OUT=${OUT:-$PWD/out}
@@ -28,9 +29,11 @@ note "build: $(( $(date +%s) - start )) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
     parallel=(-p no:cacheprovider)  # plus pytest-xdist where installed (the device images have it)
     limit=900
-    python3 -c "import xdist" 2>/dev/null && parallel+=(-n 4) && limit=480
+    python3 -c "import xdist" 2>/dev/null && parallel+=(-n "${WORKERS:-4}") && limit=480
     timeout "$limit" python3 -m pytest "${parallel[@]}" tests > "$OUT/pytest.txt" 2>&1
     rc=$?; record "pytest (GPU)" $rc "$(tail -n 1 "$OUT/pytest.txt")"
+fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
     timeout 260 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 10 \
         python3 -m pytest -x -p no:cacheprovider tests -m "memcheck and not memcheck_skip" > "$OUT/memcheck.txt" 2>&1
     rc=$?; record "memcheck" $rc "$(grep 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -n 1) | $(tail -n 1 "$OUT/memcheck.txt")"
@@ -46,6 +49,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 200 python3 apps/benchmark.py --suite macko --densities 0.1,0.3,0.5,0.7 --json "$OUT/macko.json" \
         > "$OUT/macko.txt" 2>&1
     rc=$?; record "benchmark --suite macko" $rc
+    timeout 200 python3 apps/benchmark.py --suite attention --json "$OUT/attention.json" --plot "$OUT/attention.png" \
+        > "$OUT/attention.txt" 2>&1
+    rc=$?; record "benchmark --suite attention" $rc
     for sparse in none macko; do
         timeout 120 python3 apps/generate.py --model llama2-7b --weights random --device cuda --dtype float16 \
             --max-new-tokens 256 --sparse "$sparse" $([ "$sparse" = macko ] && echo --density 0.5) \

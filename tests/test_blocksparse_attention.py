@@ -201,7 +201,7 @@ def gpu_kernels():
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 4e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("seq_len", [1, 63, 65, 200, 1000])
+@pytest.mark.parametrize("seq_len", [1, 63, pytest.param(65, marks=pytest.mark.memcheck), 200, 1000])
 @pytest.mark.parametrize("block_size", [64, 128])
 def test_kernel_matches_float64_reference(kernel, dtype, tolerance, head_dim, heads, seq_len, block_size):
     torch.manual_seed(seq_len * head_dim + heads[1])
@@ -217,6 +217,7 @@ def test_kernel_matches_float64_reference(kernel, dtype, tolerance, head_dim, he
 
 
 @requires_cuda
+@pytest.mark.memcheck
 @pytest.mark.parametrize("kernel", gpu_kernels())
 def test_kernel_takes_strided_views_and_writes_only_out(kernel):
     torch.manual_seed(1)
@@ -234,6 +235,8 @@ def test_kernel_takes_strided_views_and_writes_only_out(kernel):
 
 
 @requires_cuda
+@pytest.mark.memcheck
+@pytest.mark.racecheck
 @pytest.mark.parametrize("kernel", gpu_kernels())
 def test_kernel_gives_zeros_for_a_tile_with_no_kept_block(kernel):
     seq_len = 300
