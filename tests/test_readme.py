@@ -27,13 +27,18 @@ def fenced_blocks(language: str) -> list[str]:
 def readme_commands() -> list[str]:
     return [line for line in README.read_text(encoding="utf-8").splitlines() if line.startswith(COMMAND_PREFIX)]
 
+# CA bundles and proxies (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, HTTPS_PROXY, ...), and uv's cache.
+MACHINE_NETWORK_SETTINGS = re.compile(r"SSL_CERT_(FILE|DIR)|[A-Z_]*CA_BUNDLE|(HTTPS?|NO|ALL)_PROXY|(https?|no|all)_proxy"
+                                      r"|UV_CACHE_DIR")
+
 
 def clean_shell(command: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
-    """`command` in bash with only HOME, the system PATH and `env` set, like `env -i` (uv's cache
-    location passes through when the caller moved it, so a test run links what is cached)."""
+    """`command` in bash with only HOME, the system PATH and `env` set, like `env -i`. What the machine
+    itself configures for reaching a package index passes through (its CA certificates and proxies: a
+    rebuild of the editable install fetches setuptools), and so does uv's cache location when the
+    caller moved it, so a test run links what is cached."""
     environment = {"HOME": str(Path.home()), "PATH": CLEAN_PATH, **env}
-    if "UV_CACHE_DIR" in os.environ:
-        environment["UV_CACHE_DIR"] = os.environ["UV_CACHE_DIR"]
+    environment |= {name: value for name, value in os.environ.items() if MACHINE_NETWORK_SETTINGS.fullmatch(name)}
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=environment, capture_output=True, text=True,
                           timeout=SETUP_TIMEOUT_S)
 
