@@ -3,7 +3,8 @@
     from minfer.api import load
 
     engine = load()                    # the embedded demo; or an alias, HF repo id, local folder, ...
-    engine.prune(0.5)                  # optional: half of each projection row by magnitude, stored as MACKO
+    engine.prune(0.5, sparse=NAME)     # optional: half of each projection row by magnitude, stored in a
+                                       # registered weight format (minfer.formats.format_choices())
     print(engine.generate("Once upon a time", max_new_tokens=40).text)
 
 A thin layer over checkpoint.resolve / load_model, sparsity.prune, formats.convert and
@@ -40,7 +41,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self._generator: Generator | None = None  # built at the first generate(); its CUDA graphs hold the weights
 
-    def prune(self, density: float, method: str = "magnitude", sparse: str = "macko",
+    def prune(self, density: float, sparse: str, method: str = "magnitude",
               calibration_text: str | Path | None = None, calibration_samples: int = CALIB_SAMPLES,
               calibration_seq_len: int = CALIB_SEQ_LEN) -> Engine:
         """Prune every attention and MLP projection to `density` per row, then store the projections in

@@ -37,7 +37,7 @@ def test_generate_matches_the_generator_and_repeats():
 
 
 def test_prune_stores_the_pruned_projections_as_macko():
-    engine = load(device="cpu", max_seq_len=CONTEXT).prune(0.5)
+    engine = load(device="cpu", max_seq_len=CONTEXT).prune(0.5, sparse="macko")
     assert {linear.fmt.name for _, linear in engine.model.projections()} == {"macko"}
     assert engine.generate(PROMPT, max_new_tokens=NEW_TOKENS).tokens == tokens_step_by_step(0.5)
 

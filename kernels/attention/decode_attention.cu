@@ -20,7 +20,7 @@ constexpr int kWarps = kDecodeAttnWarps;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRoundRows = kRows * kWarps;   // a block's share is a multiple of this
 // Default K/V ring per warp: 4 steps at D 128, 8 at D 64. Since the first ring steps are issued
-// before the PDL wait, the H200 sweep (docs/perf-notes.md, session 7) found 4 steps at D 128 faster
+// before the PDL wait, the H200 sweep (docs/perf-notes.md, the 2026-11-22 ca3ebae entry) found 4 steps at D 128 faster
 // than 2 at every context from 640 to 32k (2 had been best on the H100 without that prefetch).
 constexpr int kWarpRingBytes = 32 * 1024;
 constexpr int kMaxStages = 12;

@@ -1,4 +1,4 @@
-// MACKO-16-4 sparse matrices (see shared/FORMATS.md): SpMV/SpMM and decompression to dense.
+// MACKO-16-4 sparse matrices (see docs/FORMATS.md): SpMV/SpMM and decompression to dense.
 // A matrix of `rows` x `cols` is stored as `values` (P fp16/bf16, P % 8 == 0), `deltas` (P/2 bytes,
 // 4-bit column gaps, low nibble first) and `row_ptr` (rows + 1 int32). Framework-free launchers.
 #pragma once

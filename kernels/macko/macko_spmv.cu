@@ -11,7 +11,7 @@
 // - nibble prefix sums inside a chunk use byte-parallel arithmetic (one multiply), and the warp scan
 //   of the chunk sums covers two steps at once (16-bit fields);
 // - the one-token consumer (decode) gathers x with 5 instructions per entry; with it the kernel
-//   waits mostly on the latency of the warp scan, not on DRAM (docs/perf-notes.md, session 9); it
+//   waits mostly on the latency of the warp scan, not on DRAM (docs/perf-notes.md, the 2026-11-23 2519932 entry); it
 //   also fuses a Llama sublayer's RMSNorm (into the staging of x) and, walking the MLP's gate and up
 //   rows in pairs, silu(gate) * up (into the row ends);
 // - SpMM reads the compressed weights once for up to 16 tokens (x as [cols][TT] vectors in smem).
@@ -508,7 +508,7 @@ dim3 persistent_grid(Kernel kernel, int rows, int warps_per_block, int smem_byte
 // warps that the rows split into whole rounds, so that every warp walks the same number of rows (but in a
 // last round short by less than one row per block) and every SM holds the same number of warps. With
 // max_warps per block throughout, the rows' last round (e.g. 896 of 4224 warps for 22016 rows) kept the
-// other warps idle: +2.7% end to end at d = 0.5 (docs/perf-notes.md, session 15).
+// other warps idle: +2.7% end to end at d = 0.5 (docs/perf-notes.md, the 2026-11-23 5b74b01 entry).
 struct BalancedGrid {
     dim3 grid;
     int warps_per_block;

@@ -1,7 +1,7 @@
 // MACKO-16-4 SpMM on the tensor cores, for 9-16 tokens (batched decode, speculative verification).
 //
 // The CUDA-core SpMM (macko_spmv.cu) costs each stored entry T FMAs and T / 8 shared loads; past 8
-// tokens it loses to dense cuBLAS (docs/perf-notes.md, session 19). Here each entry costs one 2-byte
+// tokens it loses to dense cuBLAS (docs/perf-notes.md, the 2026-11-23 247b35e entry). Here each entry costs one 2-byte
 // shared store: a block takes kMackoTileRows rows and walks them window by window (kMackoWindowCols
 // columns). In each window every warp scatters the runs of its rows into a dense tile in shared memory
 // (the window table says where each row's run starts, on a whole chunk, so runs are walked like rows and
@@ -22,7 +22,8 @@ namespace {
 constexpr int kTcWarps = 16;
 constexpr int kTcThreads = kTcWarps * kWarpSize;
 constexpr int kRowsPerWarp = kMackoTileRows / kTcWarps;
-constexpr int kDefaultTcSteps = 1;  // runs of one window are ~1 step at d = 0.3-0.5 (session 23)
+// Runs of one window are ~1 step at d = 0.3-0.5 (docs/perf-notes.md, the 2026-11-24 f75d07b entry).
+constexpr int kDefaultTcSteps = 1;
 constexpr int kNTiles = kMackoTileRows / 8;             // mma N = 8 rows
 constexpr int kWindowParts = kTcWarps / kNTiles;        // warps sharing one n-tile split the window
 constexpr int kPartCols = kMackoWindowCols / kWindowParts;

@@ -1,4 +1,4 @@
-"""Block-sparse attention layouts (shared/FORMATS.md): which (query block, key block) tiles attention computes.
+"""Block-sparse attention layouts (docs/FORMATS.md): which (query block, key block) tiles attention computes.
 
 A layout is a boolean tensor (heads, q_blocks, k_blocks) at block size 64 or 128; heads is 1 (one layout
 for every head) or the number of query heads. Attention is causal: inside a kept diagonal block the

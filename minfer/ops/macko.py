@@ -1,4 +1,4 @@
-"""MACKO-16-4 sparse matrices (kernels/macko; shared/FORMATS.md): the array checks and decoding helpers
+"""MACKO-16-4 sparse matrices (kernels/macko; docs/FORMATS.md): the array checks and decoding helpers
 (nibble unpacking, the tensor-core SpMM's window table), the SpMV/SpMM, the tensor-core SpMM and
 decompression, each with its reference."""
 
@@ -83,7 +83,7 @@ def _check_macko_columns(col_of: torch.Tensor, cols: int) -> None:
 
 def macko_decompress_reference(values: torch.Tensor, deltas: torch.Tensor, row_ptr: torch.Tensor,
                                cols: int) -> torch.Tensor:
-    """The dense [rows, cols] matrix of a MACKO-16-4 triple (shared/FORMATS.md), vectorized."""
+    """The dense [rows, cols] matrix of a MACKO-16-4 triple (docs/FORMATS.md), vectorized."""
     stored = _check_macko_extent(values, deltas, row_ptr)
     row_of, col_of = _macko_entry_columns(unpack_nibbles(deltas, stored), row_ptr.long())
     _check_macko_columns(col_of, cols)
