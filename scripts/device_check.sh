@@ -15,6 +15,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MINFER_BUILD_DIR=${MINFER_BUILD_DIR:-/tmp/minfer-build}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
+# Packages the device image lacks (gguf) travel as wheels in .whl/, named in the call's carry; fetch them here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/minfer-site .whl/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/minfer-site
+fi
 summary=()
 failed=0
 note() { summary+=("$1"); echo "$1"; }
