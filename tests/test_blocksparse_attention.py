@@ -7,15 +7,19 @@ import torch
 from safetensors.torch import save_file
 
 from minfer import ops
-from minfer.attention.blocksparse_ops import blocksparse_attention, blocksparse_attention_reference
 from minfer.attention.layouts import (LayoutError, build_layout, compact, compact_layout, density, parse_layout,
                                       plot_layout)
 from minfer.bench import attention_suite
+from minfer.errors import MinferError
 from tests.conftest import requires_cuda
 from tests.numerics import rel_error
 
 NAMED = ["dense", "causal", "sink-window:sink=70,window=130", "strided:local=100,stride=128",
          "bigbird:window=90,global=64,random=2,seed=3"]
+
+
+def reference(q, k, v, layout, scale):
+    return ops.blocksparse_attention_reference(q, k, v, layout.tile_ptr, layout.key_tiles, layout.heads, scale)
 
 
 def naive_attention64(q, k, v, layout, block_size, scale):
@@ -53,7 +57,7 @@ def test_reference_matches_naive_masked_attention(name, block_size, heads):
     seq_len, head_dim = 203, 16  # not a multiple of either block
     q, k, v = random_qkv(1, *heads, seq_len, head_dim, torch.float64)
     layout = build_layout(name, heads[0], seq_len, block_size)
-    out = blocksparse_attention(q, k, v, compact(layout, seq_len, block_size), 0.25)
+    out = compact(layout, seq_len, block_size).attend(q, k, v, 0.25)
     assert rel_error(out, naive_attention64(q, k, v, layout, block_size, 0.25)) < 1e-12
 
 
@@ -106,7 +110,7 @@ def test_a_query_tile_with_no_kept_block_gives_zeros_and_no_nan():
     layout = build_layout("causal", 1, seq_len, 64)
     layout[0, 1] = False  # the second query tile keeps nothing
     q, k, v = random_qkv(1, 2, 1, seq_len, 16, torch.float32)
-    out = blocksparse_attention(q, k, v, compact(layout, seq_len, 64), 0.25)
+    out = compact(layout, seq_len, 64).attend(q, k, v, 0.25)
     assert not out.isnan().any()
     assert torch.all(out[:, :, 64:128] == 0) and out[:, :, :64].abs().sum() > 0
 
@@ -150,19 +154,22 @@ def test_bad_block_sizes_lengths_and_files_give_one_line_errors(tmp_path):
     save_file({"layout": torch.ones(4, 4)}, str(tmp_path / "float.safetensors"))
     cases.append((lambda: build_layout(f"file:path={tmp_path}/float.safetensors", 1, 100, 64), "bool or integer"))
     q, k, v = random_qkv(1, 2, 1, 100, 16, torch.float32)
-    cases.append((lambda: blocksparse_attention(q, k, v, compact_layout("causal", 2, 99), 1.0), "built for 99"))
-    cases.append((lambda: blocksparse_attention(q, k, v, compact_layout("bigbird:window=64,global=0,random=1,seed=0", 3, 100),
-                                                    1.0), "has 3 heads"))
+    cases.append((lambda: compact_layout("causal", 2, 99).attend(q, k, v, 1.0), "built for 99"))
+    bigbird = compact_layout("bigbird:window=64,global=0,random=1,seed=0", 3, 100)
+    cases.append((lambda: bigbird.attend(q, k, v, 1.0), "has 3 heads"))
+    short = compact_layout("causal", 1, 64)
+    cases.append((lambda: ops.blocksparse_attention(q, k, v, short.tile_ptr, short.key_tiles, 1, 1.0),
+                  "tile_ptr has 2 entries"))
     for call, message in cases:
-        with pytest.raises(LayoutError, match=message) as info:
+        with pytest.raises(MinferError, match=message) as info:
             call()
         assert "\n" not in str(info.value)
 
 
 def test_unknown_kernel_name_is_refused():
     q, k, v = random_qkv(1, 2, 1, 70, 16, torch.float32)
-    with pytest.raises(LayoutError, match="kernel must be one of"):
-        blocksparse_attention(q, k, v, compact_layout("causal", 2, 70), 1.0, kernel="tma")
+    with pytest.raises(MinferError, match="kernel must be one of"):
+        compact_layout("causal", 2, 70).attend(q, k, v, 1.0, kernel="tma")
 
 
 def test_attention_suite_fit_and_report(monkeypatch, capsys):
@@ -210,8 +217,8 @@ def test_kernel_matches_float64_reference(kernel, dtype, tolerance, head_dim, he
     for name in GPU_LAYOUTS:
         layout = compact_layout(name, heads[0], seq_len, block_size, device="cuda")
         out = torch.full_like(q, float("nan"))
-        blocksparse_attention(q, k, v, layout, scale, out, kernel=kernel)
-        ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), layout, scale)
+        layout.attend(q, k, v, scale, out, kernel=kernel)
+        ref = reference(q.double(), k.double(), v.double(), layout, scale)
         assert not out.isnan().any(), name
         assert rel_error(out, ref) < tolerance, name
 
@@ -228,8 +235,8 @@ def test_kernel_takes_strided_views_and_writes_only_out(kernel):
     store = torch.full((batch, seq_len + 1, q_heads, head_dim), 7.0, dtype=torch.float16, device="cuda")
     out = store[:, :seq_len].transpose(1, 2)
     layout = compact_layout("bigbird:window=64,global=64,random=1,seed=2", q_heads, seq_len, device="cuda")
-    blocksparse_attention(q, k, v, layout, 0.1, out, kernel=kernel)
-    ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), layout, 0.1)
+    layout.attend(q, k, v, 0.1, out, kernel=kernel)
+    ref = reference(q.double(), k.double(), v.double(), layout, 0.1)
     assert rel_error(out, ref) < 4e-3
     assert torch.all(store[:, seq_len] == 7.0)
 
@@ -245,10 +252,10 @@ def test_kernel_gives_zeros_for_a_tile_with_no_kept_block(kernel):
     packed = compact(layout, seq_len, 64).to("cuda")
     q, k, v = random_qkv(1, 4, 4, seq_len, 64, torch.float16, "cuda")
     out = torch.full_like(q, float("nan"))
-    blocksparse_attention(q, k, v, packed, 0.125, out, kernel=kernel)
+    packed.attend(q, k, v, 0.125, out, kernel=kernel)
     assert not out.isnan().any()
     assert torch.all(out[:, :, 128:192] == 0)
-    ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), packed, 0.125)
+    ref = reference(q.double(), k.double(), v.double(), packed, 0.125)
     assert rel_error(out, ref) < 4e-3
 
 
@@ -270,15 +277,15 @@ def test_graph_capture_replays_with_new_inputs():
     q, k, v = random_qkv(1, 8, 2, seq_len, 128, torch.bfloat16, "cuda")
     layout = compact_layout("strided:local=128,stride=256", 8, seq_len, device="cuda")
     out = torch.empty_like(q)
-    blocksparse_attention(q, k, v, layout, 0.09, out)  # warm-up outside the capture
+    layout.attend(q, k, v, 0.09, out)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        blocksparse_attention(q, k, v, layout, 0.09, out)
+        layout.attend(q, k, v, 0.09, out)
     for t in (q, k, v):
         t.copy_(torch.randn_like(t))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = blocksparse_attention_reference(q.double(), k.double(), v.double(), layout, 0.09)
+    ref = reference(q.double(), k.double(), v.double(), layout, 0.09)
     assert rel_error(out, ref) < 2e-2
     assert ops.current_backend() == "minfer"

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from ..errors import MinferError
+from ..ops import BLOCKSPARSE_TILE as KERNEL_TILE
+from ..ops import blocksparse_attention, blocksparse_tiles
 
 BLOCK_SIZES = (64, 128)
-KERNEL_TILE = 64  # kernels/blocksparse_attention: query and key tiles are 64 tokens
 MAX_SEQ_LEN = 1 << 20
 
 
@@ -225,12 +226,7 @@ class CompactLayout:
 
     def tile_layout(self) -> torch.Tensor:
         """The boolean (heads, q_tiles, q_tiles) layout at KERNEL_TILE the lists describe."""
-        n = self.q_tiles
-        counts = (self.tile_ptr[1:] - self.tile_ptr[:-1]).long().cpu()
-        rows = torch.repeat_interleave(torch.arange(self.heads * n), counts)
-        dense = torch.zeros(self.heads * n, n, dtype=torch.bool)
-        dense[rows, self.key_tiles.long().cpu()] = True
-        return dense.view(self.heads, n, n)
+        return blocksparse_tiles(self.tile_ptr, self.key_tiles, self.heads, self.q_tiles)
 
     def to_layout(self) -> torch.Tensor:
         """The boolean layout at the layout's own block size (inverse of `compact`)."""
@@ -239,6 +235,15 @@ class CompactLayout:
 
     def kept_fraction(self) -> float:
         return density(self.tile_layout())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
+        """ops.blocksparse_attention of q [B, Hq, S, D] over k, v [B, Hkv, S, D] with this layout, which
+        must be built for S tokens."""
+        if q.dim() == 4 and q.shape[2] != self.seq_len:
+            raise LayoutError(f"the layout was built for {self.seq_len} tokens, the attention has {q.shape[2]}; "
+                              "build one per length")
+        return blocksparse_attention(q, k, v, self.tile_ptr, self.key_tiles, self.heads, scale, out, kernel=kernel)
 
 
 def compact(layout: torch.Tensor, seq_len: int, block_size: int) -> CompactLayout:

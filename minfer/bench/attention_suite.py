@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..attention.blocksparse_ops import blocksparse_attention
 from ..attention.layouts import KERNEL_TILE, build_layout, compact
 from .report import Column
 from .timing import copy_bandwidth_gbs, time_graph
@@ -105,13 +104,13 @@ def prefill_row(layout_name: str, seq_len: int, dtype: torch.dtype, copy_gbs: fl
     flops = 4 * HEAD_DIM * kept_pairs(layout, seq_len, HEADS)
     nbytes = 4 * q.numel() * q.element_size()
     floor_ms = max(flops / (tflops_ceiling * 1e12), nbytes / (copy_gbs * 1e9)) * 1e3
-    minfer_ms = _time(lambda: blocksparse_attention(q, k, v, packed, scale, out))
+    minfer_ms = _time(lambda: packed.attend(q, k, v, scale, out))
     row = {"layout": layout_name, "seq_len": seq_len, "kept": packed.kept_fraction(), "flops": flops,
            "bytes": nbytes, "floor_ms": floor_ms, "minfer_ms": minfer_ms,
            "tflops": flops / (minfer_ms * 1e-3) / 1e12, "of_floor": floor_ms / minfer_ms, "sdpa_ms": sdpa_ms,
            "vs_sdpa": sdpa_ms / minfer_ms if sdpa_ms else None}
     for kernel in variants:
-        row[f"{kernel}_ms"] = _time(lambda: blocksparse_attention(q, k, v, packed, scale, out, kernel=kernel))
+        row[f"{kernel}_ms"] = _time(lambda: packed.attend(q, k, v, scale, out, kernel=kernel))
     if flex is not None:
         try:
             mask = flex_block_mask(layout, seq_len)

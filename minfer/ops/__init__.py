@@ -19,6 +19,14 @@ from .attention import (
     decode_attention_supports,
     decode_attention_workspace,
 )
+from .blocksparse_attention import (
+    BLOCKSPARSE_KERNELS,
+    BLOCKSPARSE_TILE,
+    blocksparse_attention,
+    blocksparse_attention_reference,
+    blocksparse_tiles,
+    blocksparse_token_mask,
+)
 from .dense import GEMV_MAX_TOKENS, HGEMM_KERNELS, gemv, gemv_tuned, hgemm, hgemm_tuned, linear_reference
 from .elementwise import (
     add_rms_norm,
@@ -63,9 +71,10 @@ from .runtime import (
 from .tokens import argmax, argmax_reference, embedding, embedding_reference
 
 __all__ = [
-    "BACKENDS", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
+    "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
     "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS", "MACKO_TILE_ROWS",
-    "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "build", "build_for",
+    "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "blocksparse_attention",
+    "blocksparse_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
     "check_macko_arrays", "current_backend", "decode_attention", "decode_attention_reference",
     "decode_attention_splits", "decode_attention_supports", "decode_attention_workspace", "embedding",
     "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned", "kernels_run_on", "linear_reference",
