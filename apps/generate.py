@@ -15,6 +15,8 @@ Examples:
   python apps/generate.py --sparse macko --density 0.7
   python apps/generate.py --model llama2-7b --sparse macko --density 0.5 --prune wanda --save-compressed ./l7-macko
   python apps/generate.py --model ./l7-macko
+  python apps/generate.py --model llama2-7b --weights random --max-seq-len 32768 --attention blocksparse \
+      --layout sink-window:sink=64,window=1024 --layout-plot layout.png
 
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
@@ -28,6 +30,7 @@ went away (e.g. `| head`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,13 +40,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import torch  # noqa: E402
 
 from minfer import formats  # noqa: E402
+from minfer.attention import ATTENTION_BACKENDS  # noqa: E402
+from minfer.attention.layouts import LAYOUT_HELP, build_layout, density, parse_layout, plot_layout  # noqa: E402
 from minfer.cli import ArgumentParser, add_model_arguments, note, run_app, run_main  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
 from minfer.demo import DEMO_PROMPT  # noqa: E402
 from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator, check_prompt_ids  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
-from minfer.runtime import DEFAULT_MAX_SEQ_LEN, check_memory, context_length, pick_device, pick_dtype  # noqa: E402
+from minfer.runtime import (  # noqa: E402
+    DEFAULT_MAX_SEQ_LEN,
+    RANDOM_WEIGHTS_MAX_SEQ_LEN,
+    check_memory,
+    context_length,
+    pick_device,
+    pick_dtype,
+)
 from minfer.sampling import MIN_TEMPERATURE, SamplingParams  # noqa: E402
 from minfer.sparsity import cli as sparsity_cli  # noqa: E402
 from minfer.sparsity.report import report_summary  # noqa: E402
@@ -63,7 +75,19 @@ def build_parser() -> ArgumentParser:
                             "minfer; the torch backend keeps it on the gpu)")
     model.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                        help=f"context length: KV cache positions for prompt + generated tokens "
-                            f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN})")
+                            f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN}; with --weights random up "
+                            f"to {RANDOM_WEIGHTS_MAX_SEQ_LEN} whatever the model's limit)")
+    attention = parser.add_argument_group("attention")
+    attention.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="dense",
+                           help="dense: every query attends to every earlier token; blocksparse: the prompt's "
+                                "queries visit only the --layout's kept blocks (decode stays dense for now) "
+                                "(default: %(default)s)")
+    attention.add_argument("--layout", default=None, metavar="NAME[:k=v,...]",
+                           help=f"the block-sparse layout, sizes in tokens, blocks of 64: {LAYOUT_HELP} "
+                                f"(needs --attention blocksparse)")
+    attention.add_argument("--layout-plot", default=None, metavar="PNG",
+                           help="write a picture of the layout's first head over the context to this .png file "
+                                "and print its density on stderr (needs --layout)")
     sparsity_cli.add_arguments(parser)
     text = parser.add_argument_group("generation")
     text.add_argument("--prompt", default=DEMO_PROMPT, help="text to continue (default: %(default)r)")
@@ -89,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         raise MinferError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.embedding == "host" and args.backend != "minfer":
         raise MinferError("--embedding host needs --backend minfer (its kernel reads the table from host memory)")
+    check_attention_flags(args)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     resolved = resolve(args.model, sparsity_cli.weights_source(args), args.tokenizer)
     sparsity_cli.check(args, resolved)
@@ -98,8 +123,13 @@ def run(args: argparse.Namespace) -> int:
     check_prompt_ids(prompt_ids, config.vocab_size)
     calibration_ids = sparsity_cli.calibration(args, tokenizer, config)
 
-    max_seq_len = context_length(config, args.max_seq_len, len(prompt_ids))
+    max_seq_len = context_length(config, args.max_seq_len, len(prompt_ids), random_weights=resolved.is_random)
+    if max_seq_len > config.max_position_embeddings:  # random weights: RoPE tables for the longer context
+        config = dataclasses.replace(config, max_position_embeddings=max_seq_len)
+        resolved = dataclasses.replace(resolved, config=config)
     check_memory(config, dtype, device, max_seq_len, sparsity_cli.stored_weight_bytes(args, resolved, dtype))
+    if args.layout is not None:
+        show_layout(args, config.num_heads, max_seq_len)
 
     model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
     # The header only once the weights loaded: an error while loading stays the one line on stderr.
@@ -121,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
         note("NOTE: the embedding is tied to lm_head, which reads it every step: it stays on the GPU.")
-    generator = Generator(model, tokenizer, max_seq_len, device)
+    generator = Generator(model, tokenizer, max_seq_len, device, attention=args.attention,
+                          attention_options=None if args.layout is None else {"layout": args.layout})
 
     if args.json:
         result = generator.generate(prompt_ids, params, args.max_new_tokens)
@@ -143,6 +174,36 @@ def run(args: argparse.Namespace) -> int:
     print(decoder.flush(), flush=True)
     print_stats(result.stats, device, resolved.is_random)
     return 0
+
+
+def check_attention_flags(args: argparse.Namespace) -> None:
+    """--layout goes with --attention blocksparse and only with it; the layout string parses."""
+    if args.layout is None:
+        if args.attention == "blocksparse":
+            raise MinferError(f"--attention blocksparse needs --layout NAME[:k=v,...]; choose {LAYOUT_HELP}")
+        if args.layout_plot is not None:
+            raise MinferError("--layout-plot needs --attention blocksparse and a --layout to draw")
+        return
+    if args.attention != "blocksparse":
+        raise MinferError(f"--layout needs --attention blocksparse (got --attention {args.attention})")
+    parse_layout(args.layout)
+    if args.layout_plot is not None:
+        plot = Path(args.layout_plot)
+        if plot.suffix.lower() != ".png":
+            raise MinferError(f"--layout-plot {plot}: name a .png file")
+        if not plot.parent.is_dir():
+            raise MinferError(f"--layout-plot {plot}: the folder {plot.parent} does not exist")
+
+
+def show_layout(args: argparse.Namespace, heads: int, max_seq_len: int) -> None:
+    """Build the layout over the whole context (a file layout too small fails here, before loading),
+    note its density and draw it when asked."""
+    layout = build_layout(args.layout, heads, max_seq_len)
+    note(f"layout {parse_layout(args.layout)}: {density(layout):.3f} of the causal blocks kept over {max_seq_len} "
+         f"positions")
+    if args.layout_plot is not None:
+        plot_layout(layout, args.layout_plot, f"{parse_layout(args.layout)}, {max_seq_len} tokens")
+        note(f"layout plot written to {args.layout_plot}")
 
 
 def print_stats(stats, device: torch.device, is_random: bool) -> None:

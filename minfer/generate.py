@@ -101,15 +101,17 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 class Generator:
     """Runs `model` (batch 1) with a static KV cache of `max_seq_len` positions on `device`, under the ops
-    backend (`ops.backend`) active when it is built, and with the `attention` backend (minfer.attention)."""
+    backend (`ops.backend`) active when it is built, and with the `attention` backend (minfer.attention)
+    and its `attention_options`."""
 
     def __init__(self, model: Transformer, tokenizer, max_seq_len: int, device: torch.device | str,
-                 use_cuda_graph: bool = True, attention: str = "dense"):
+                 use_cuda_graph: bool = True, attention: str = "dense", attention_options: dict | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.device = torch.device(device)
         self.max_seq_len = max_seq_len
         self.backend = ops.current_backend()  # graphs and the token hand-off below are made for it
-        model.setup_caches(1, max_seq_len, device=self.device, attention=attention)
+        model.setup_caches(1, max_seq_len, device=self.device, attention=attention,
+                           attention_options=attention_options)
         # Captured graphs hold raw pointers: keep these caches and the attention workspace alive even if
         # the model gets new ones.
         self._caches = [layer.self_attn.kv_cache for layer in model.layers]

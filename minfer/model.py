@@ -248,9 +248,11 @@ class Transformer(nn.Module):
         return self._linear_and_norm_bytes() + embedding
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None, attention: str = "dense") -> None:
+                     device: torch.device | str | None = None, attention: str = "dense",
+                     attention_options: dict | None = None) -> None:
         """Preallocate the KV cache of every layer and the RoPE tables for positions < max_seq_len, and
-        choose the `attention` backend (minfer.attention) for these caches, under the current ops backend."""
+        choose the `attention` backend (minfer.attention) for these caches, under the current ops backend,
+        with its `attention_options` (e.g. {"layout": "sink-window:sink=64,window=1024"} for blocksparse)."""
         limit = self.config.max_position_embeddings
         if max_seq_len > limit:
             raise ContextLengthError(
@@ -259,7 +261,8 @@ class Transformer(nn.Module):
             )
         dtype = dtype or self.norm.weight.dtype
         device = torch.device(device or self.norm.weight.device)
-        self.attention = attention_class(attention).create(self.config, max_batch_size, max_seq_len, dtype, device)
+        self.attention = attention_class(attention).create(self.config, max_batch_size, max_seq_len, dtype, device,
+                                                           **(attention_options or {}))
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_kv_heads, max_seq_len,
                                                self.config.head_dim, dtype, device)

@@ -14,6 +14,9 @@ from .kv_cache import kv_cache_bytes
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 RESERVE_BYTES = 512 * 2**20  # CUDA context, library workspaces, allocator slack
 DEFAULT_MAX_SEQ_LEN = 4096  # cap on the KV cache when no context length is asked for
+# Random weights were never trained at any length, so their context may pass the architecture's limit:
+# long-context attention runs on Llama-2/3 shapes without a checkpoint.
+RANDOM_WEIGHTS_MAX_SEQ_LEN = 32768
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -45,10 +48,14 @@ def pick_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def context_length(config: ModelConfig, requested: int | None, prompt_tokens: int) -> int:
+def context_length(config: ModelConfig, requested: int | None, prompt_tokens: int,
+                   random_weights: bool = False) -> int:
     """KV cache positions: `requested`, or the model's limit capped at DEFAULT_MAX_SEQ_LEN; it must
-    leave room for at least one generated token after the prompt."""
+    leave room for at least one generated token after the prompt. With `random_weights` the limit is at
+    least RANDOM_WEIGHTS_MAX_SEQ_LEN."""
     limit = config.max_position_embeddings
+    if random_weights:
+        limit = max(limit, RANDOM_WEIGHTS_MAX_SEQ_LEN)
     max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if requested is None else requested
     if not 1 < max_seq_len <= limit:
         raise ContextLengthError(f"--max-seq-len must be in [2, {limit}] for this model, got {max_seq_len}")
@@ -108,9 +115,23 @@ def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     if free is not None and need.total > free:
         where = "GPU memory is free" if device.type == "cuda" else "RAM is available"
         dtype_name = str(dtype).removeprefix("torch.")
+        fitting = _longest_fitting_context(config, dtype, max_seq_len, weight_bytes, free)
+        shorter = f" or --max-seq-len {fitting} (the most that fits)" if fitting >= 2 else ""
         raise DeviceError(
             f"this model needs about {need.total / 1e9:.1f} GB ({need.weights / 1e9:.1f} GB of {dtype_name} weights, "
             f"{need.kv_cache / 1e9:.1f} GB of KV cache for {max_seq_len} positions) but only {free / 1e9:.1f} GB of "
-            f"{where} on {device}; try a smaller model, a 16-bit --dtype or a smaller --max-seq-len"
+            f"{where} on {device}; try a smaller model, a 16-bit --dtype{shorter}"
         )
     return need
+
+
+def _longest_fitting_context(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, weight_bytes: int | None,
+                             free: int) -> int:
+    """The most cache positions (below max_seq_len) whose estimate fits in `free` bytes; the estimate grows
+    linearly with positions, so two points give it."""
+    at_one = estimate_memory(config, dtype, 1, weight_bytes=weight_bytes).total
+    per_position = (estimate_memory(config, dtype, max_seq_len, weight_bytes=weight_bytes).total - at_one) / max(
+        max_seq_len - 1, 1)
+    if at_one > free or per_position <= 0:
+        return 0
+    return min(max_seq_len - 1, 1 + int((free - at_one) // per_position))

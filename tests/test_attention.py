@@ -70,7 +70,7 @@ def test_kernels_are_never_built_by_an_op(monkeypatch):
 
 def test_registry_names_the_backends():
     assert attention_class("dense") is DenseAttention and ATTENTION_BACKENDS["dense"] is DenseAttention
-    with pytest.raises(MinferError, match="unknown attention backend 'sliding'; choose one of: dense"):
+    with pytest.raises(MinferError, match="unknown attention backend 'sliding'; choose one of: blocksparse, dense"):
         attention_class("sliding")
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from ..errors import MinferError
 from .base import AttentionBackend, AttentionPass
+from .blocksparse import BlockSparseAttention
 from .dense import DenseAttention
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {cls.name: cls for cls in (DenseAttention,)}
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    cls.name: cls for cls in (DenseAttention, BlockSparseAttention)
+}
 
 
 def attention_class(name: str) -> type[AttentionBackend]:
@@ -17,4 +20,5 @@ def attention_class(name: str) -> type[AttentionBackend]:
     return ATTENTION_BACKENDS[name]
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionPass", "DenseAttention", "attention_class"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionPass", "BlockSparseAttention", "DenseAttention",
+           "attention_class"]

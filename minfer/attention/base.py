@@ -43,10 +43,11 @@ class AttentionBackend(ABC):
 
     @classmethod
     def create(cls, config: ModelConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
-               device: torch.device) -> AttentionBackend:
-        """The backend for caches of this size, dtype and device; a backend whose kernels take only some
-        devices or shapes picks its implementation here."""
-        return cls(config, max_batch_size, max_seq_len, dtype, device)
+               device: torch.device, **options) -> AttentionBackend:
+        """The backend for caches of this size, dtype and device, with the backend's own `options` (its
+        __init__ keywords); a backend whose kernels take only some devices or shapes picks its
+        implementation here."""
+        return cls(config, max_batch_size, max_seq_len, dtype, device, **options)
 
     @contextlib.contextmanager
     def forward_pass(self, input_pos: torch.Tensor, tokens: int, kv_len: int) -> Iterator[AttentionPass]:

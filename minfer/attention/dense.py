@@ -38,11 +38,11 @@ class DenseAttention(AttentionBackend):
 
     @classmethod
     def create(cls, config: ModelConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
-               device: torch.device) -> AttentionBackend:
+               device: torch.device, **options) -> AttentionBackend:
         if ops.kernels_run_on(device) and ops.decode_attention_supports(dtype, config.num_heads, config.num_kv_heads,
                                                                         config.head_dim):
-            return SplitKDecodeAttention(config, max_batch_size, max_seq_len, dtype, device)
-        return cls(config, max_batch_size, max_seq_len, dtype, device)
+            return SplitKDecodeAttention(config, max_batch_size, max_seq_len, dtype, device, **options)
+        return cls(config, max_batch_size, max_seq_len, dtype, device, **options)
 
     @contextlib.contextmanager
     def forward_pass(self, input_pos: torch.Tensor, tokens: int, kv_len: int) -> Iterator[AttentionPass]:
