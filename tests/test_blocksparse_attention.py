@@ -1,17 +1,23 @@
 """Block-sparse attention: layouts, the compact form, the masked reference and the CUDA kernel."""
 
+import json
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from minfer import ops
+from minfer.attention import BlockSparseAttention, DenseAttention, attention_class
 from minfer.attention.layouts import (LayoutError, build_layout, compact, compact_layout, density, parse_layout,
                                       plot_layout)
 from minfer.bench import attention_suite
+from minfer.config import ModelConfig
 from minfer.errors import MinferError
+from minfer.kv_cache import KVCache
 from tests.conftest import requires_cuda
+from tests.helpers import APP, assert_input_error, in_process, load_app
 from tests.numerics import rel_error
 
 NAMED = ["dense", "causal", "sink-window:sink=70,window=130", "strided:local=100,stride=128",
@@ -190,6 +196,89 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "layout.png"
     plot_layout(build_layout("bigbird:window=128,global=64,random=2,seed=0", 2, 2000, 64), path, "bigbird")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the attention backend and generate.py ----
+
+BACKEND_CONFIG = ModelConfig(vocab_size=50, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                             intermediate_size=32, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                             max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def random_cache(max_seq_len, seed):
+    generator = torch.Generator().manual_seed(seed)
+    cfg = BACKEND_CONFIG
+    cache = KVCache(1, cfg.num_kv_heads, max_seq_len, cfg.head_dim, torch.float64, "cpu")
+    cache.k_cache.copy_(torch.randn(cache.k_cache.shape, generator=generator))
+    cache.v_cache.copy_(torch.randn(cache.v_cache.shape, generator=generator))
+    return cache
+
+
+@pytest.mark.parametrize("name", NAMED[2:])
+@pytest.mark.parametrize("tokens", [1, 150, 203])
+def test_backend_prefill_matches_sdpa_with_the_layout_mask(name, tokens):
+    cfg = BACKEND_CONFIG
+    backend = attention_class("blocksparse").create(cfg, 1, 300, torch.float64, torch.device("cpu"), layout=name)
+    assert isinstance(backend, BlockSparseAttention)
+    cache = random_cache(300, tokens)
+    q = torch.randn(1, tokens, cfg.num_heads, cfg.head_dim, dtype=torch.float64)
+    with backend.forward_pass(torch.arange(tokens), tokens, tokens) as step:
+        out = backend.prefill(q, cache, step)
+    layout = build_layout(name, cfg.num_heads, tokens, 64)
+    index = torch.arange(tokens) // 64
+    mask = layout[:, index][:, :, index] & torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    group = cfg.num_heads // cfg.num_kv_heads
+    k, v = (c[:, :, :tokens].repeat_interleave(group, dim=1) for c in (cache.k_cache, cache.v_cache))
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[None], scale=backend.scale)
+    assert rel_error(out, expected.transpose(1, 2)) < 1e-12
+
+
+def test_backend_decode_is_dense_and_offset_prefill_is_refused():
+    cfg = BACKEND_CONFIG
+    cpu = torch.device("cpu")
+    backend = attention_class("blocksparse").create(cfg, 1, 300, torch.float64, cpu, layout="sink-window:sink=0,window=64")
+    dense = DenseAttention.create(cfg, 1, 300, torch.float64, cpu)
+    cache = random_cache(300, 5)
+    q = torch.randn(1, 1, cfg.num_heads, cfg.head_dim, dtype=torch.float64)
+    position = torch.tensor([250])
+    with backend.forward_pass(position, 1, 256) as step, dense.forward_pass(position, 1, 256) as dense_step:
+        assert torch.equal(backend.decode(q, cache, step), dense.decode(q, cache, dense_step))
+    with backend.forward_pass(torch.arange(100, 103), 3, 103) as step, pytest.raises(MinferError, match="0..T-1"):
+        backend.prefill(q.expand(1, 3, -1, -1), cache, step)
+
+
+def test_backend_refuses_a_bad_layout_at_setup():
+    with pytest.raises(LayoutError, match="unknown layout 'banded'"):
+        attention_class("blocksparse").create(BACKEND_CONFIG, 1, 300, torch.float64, torch.device("cpu"),
+                                              layout="banded")
+
+
+def test_generate_blocksparse_causal_gives_the_dense_tokens_and_a_plot(tmp_path, capsys):
+    app = load_app(APP)
+    argv = ["--device", "cpu", "--max-new-tokens", "12", "--json"]
+    dense = in_process(app, argv, capsys)
+    plot = tmp_path / "causal.png"
+    sparse = in_process(app, [*argv, "--attention", "blocksparse", "--layout", "causal", "--layout-plot", str(plot)],
+                        capsys)
+    assert dense.returncode == sparse.returncode == 0, sparse.stderr
+    assert json.loads(sparse.stdout)["generated_ids"] == json.loads(dense.stdout)["generated_ids"]
+    assert "layout causal: 1.000 of the causal blocks kept" in sparse.stderr
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--layout", "causal"], ["--layout needs --attention blocksparse"]),
+    (["--attention", "blocksparse"], ["--attention blocksparse needs --layout"]),
+    (["--layout-plot", "x.png"], ["--layout-plot needs"]),
+    (["--attention", "sliding"], ["--attention", "invalid choice", "blocksparse"]),
+    (["--attention", "blocksparse", "--layout", "banded"], ["unknown layout 'banded'"]),
+    (["--attention", "blocksparse", "--layout", "sink-window:sink=4"], ["missing window"]),
+    (["--attention", "blocksparse", "--layout", "causal", "--layout-plot", "x.jpg"], ["name a .png file"]),
+    (["--attention", "blocksparse", "--layout", "causal", "--layout-plot", "/no/such/dir/x.png"], ["does not exist"]),
+    (["--attention", "blocksparse", "--layout", "file:path=/no/such.safetensors"], ["no such file"]),
+])
+def test_generate_bad_attention_flags_give_one_line(args, fragments, capsys):
+    assert_input_error(in_process(load_app(APP), ["--device", "cpu", *args], capsys), *fragments)
 
 
 # ---- the CUDA kernel ----

@@ -3,6 +3,7 @@ and every bad input answered with one `error:` line on stderr and exit code 2. O
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 
 from minfer.checkpoint import save_hf
 from minfer.config import KNOWN_CONFIGS, ModelConfig
+from minfer.errors import MinferError
 from minfer.runtime import available_bytes, estimate_memory
 from minfer.sparsity.compressed import SAVE_MARKER, SAVE_MARKER_TEXT
 from minfer.tokenizer import Tokenizer, bundled_tokenizer_path
@@ -182,6 +184,23 @@ def test_device_dtype_and_context_defaults():
     assert runtime.context_length(llama2, None, 10) == 4096
     assert runtime.context_length(ModelConfig.from_hf(KNOWN_CONFIGS["llama3.1-8b"]), None, 10) == 4096
     assert runtime.context_length(llama2, 100, 99) == 100
+    assert runtime.context_length(llama2, 32768, 10, random_weights=True) == 32768
+    with pytest.raises(MinferError, match=r"must be in \[2, 4096\]"):
+        runtime.context_length(llama2, 32768, 10)
+
+
+def test_random_weights_take_a_long_context_and_a_cache_too_big_is_one_line(monkeypatch, capsys):
+    """llama2-7b allows 4096 positions; random weights take 32768, and when that KV cache does not fit,
+    one line says how long a context does."""
+    from minfer import runtime
+
+    config = ModelConfig.from_hf(KNOWN_CONFIGS["llama2-7b"])
+    free = estimate_memory(config, torch.float16, 8192).total
+    monkeypatch.setattr(runtime, "available_bytes", lambda device: free)
+    result = in_process(load_app(APP), ["--model", "llama2-7b", "--weights", "random", "--device", "cpu", "--dtype",
+                                        "float16", "--max-seq-len", "32768"], capsys)
+    assert_input_error(result, "17.2 GB of KV cache for 32768 positions")
+    assert re.search(r"--max-seq-len 819\d \(the most that fits\)", result.stderr)
 
 
 def test_backend_flag_selects_the_path_and_rejects_unknown_ones(local_checkpoint):
