@@ -44,22 +44,6 @@ __device__ __forceinline__ void cp_async_wait_pending(int n) {
     }
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// Two values as one 32-bit mma operand register, `lo` in the low half (the lower column).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    const T pair[2] = {from_float<T>(lo), from_float<T>(hi)};
-    uint32_t bits;
-    memcpy(&bits, pair, sizeof(bits));
-    return bits;
-}
-
 struct AttnParams {
     int64_t q_batch_stride, q_head_stride, max_seq_len;
     int q_heads, kv_heads, group, stages;

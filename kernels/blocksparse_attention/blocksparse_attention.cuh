@@ -47,27 +47,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-__device__ __forceinline__ void ldmatrix_x4_transposed(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// Two fp32 values rounded to T and packed as one mma operand register (`lo` in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t round_pair(float lo, float hi) {
-    uint32_t bits;
-    if constexpr (std::is_same_v<T, half>) {
-        const __half2 pair = __floats2half2_rn(lo, hi);
-        memcpy(&bits, &pair, sizeof(bits));
-    } else {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-        memcpy(&bits, &pair, sizeof(bits));
-    }
-    return bits;
-}
-
 struct Params {
     const void* q;
     const void* k;
@@ -240,10 +219,10 @@ __device__ __forceinline__ void softmax_step(float (&s)[kM][kKeyTiles][4], float
 template <typename T, int kM>
 __device__ __forceinline__ void probabilities_as_a(uint32_t (&a)[4], const float (&s)[kM][kKeyTiles][4], int mt,
                                                    int ks) {
-    a[0] = round_pair<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-    a[1] = round_pair<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-    a[2] = round_pair<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-    a[3] = round_pair<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+    a[0] = pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+    a[1] = pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+    a[2] = pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+    a[3] = pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
 }
 
 // Epilogue of one warp: O / row sum (zeros for rows that kept no key tile), staged through the warp's
@@ -266,7 +245,7 @@ __device__ __forceinline__ void store_rows(const float (&o)[kM][D / 8][4], const
 #pragma unroll
             for (int dt = 0; dt < kChunks; ++dt)
                 *reinterpret_cast<uint32_t*>(q_smem + swizzled<kQueryRows>(row, dt) + 2 * (lane % 4)) =
-                    round_pair<T>(o[mt][dt][2 * hr] * inv, o[mt][dt][2 * hr + 1] * inv);
+                    pack2<T>(o[mt][dt][2 * hr] * inv, o[mt][dt][2 * hr + 1] * inv);
         }
     __syncwarp();
 #pragma unroll
@@ -338,7 +317,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) prefill_mma_kernel(const Param
 #pragma unroll
             for (int dp = 0; dp < kDimTiles / 2; ++dp) {
                 uint32_t vb[4];
-                ldmatrix_x4_transposed(vb, smem_addr(v_tile + swizzled<kTile>(ks * 16 + lane % 8 + 8 * ((lane / 8) % 2),
+                ldmatrix_x4_trans(vb, smem_addr(v_tile + swizzled<kTile>(ks * 16 + lane % 8 + 8 * ((lane / 8) % 2),
                                                                               2 * dp + lane / 16)));
 #pragma unroll
                 for (int mt = 0; mt < 2; ++mt) {

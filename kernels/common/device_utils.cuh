@@ -44,6 +44,22 @@ template <> __device__ __forceinline__ float2 pair_to_float2<__nv_bfloat16>(uint
     return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
 }
 
+// Two fp32 values rounded to nearest in T and packed as one 32-bit mma operand register (`lo` in the
+// low half, the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    static_assert(std::is_same_v<T, half> || std::is_same_v<T, __nv_bfloat16>, "fp16 or bf16 pairs");
+    uint32_t bits;
+    if constexpr (std::is_same_v<T, half>) {
+        const __half2 pair = __floats2half2_rn(lo, hi);
+        memcpy(&bits, &pair, sizeof(bits));
+    } else {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+        memcpy(&bits, &pair, sizeof(bits));
+    }
+    return bits;
+}
+
 // The packed pair type of T (two values in 32 bits) for the *2 intrinsics.
 template <typename T> struct PairOf;
 template <> struct PairOf<half> { using type = __half2; };
@@ -101,6 +117,14 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// ldmatrix_x4 with each 8x8 matrix transposed (the B operand of P V read from row-major V).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "common/device_utils.cuh"  // pack2
+
 namespace minfer {
 
 struct TileCoord {
@@ -22,17 +24,6 @@ __device__ __forceinline__ TileCoord tile_coord(int tile, int tiles_m, int tiles
     const int rows = min(band, tiles_m - first_m);
     const int in_band = tile % per_band;
     return {first_m + in_band % rows, in_band / rows};
-}
-
-// Two fp32 accumulators rounded into one 32-bit register of two 16-bit values (low = a).
-template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
-template <> __device__ __forceinline__ uint32_t pack2<half>(float a, float b) {
-    const __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
