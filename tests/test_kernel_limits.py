@@ -34,6 +34,7 @@ def constants(relative_path: str) -> dict[str, int]:
     (ops.MACKO_TENSOR_CORE_MAX_COLS, "macko/macko.h", ["kMackoTensorCoreMaxCols"]),
     (ops.MACKO_FUSED_MAX_COLS, "macko/macko.h", ["kMackoFusedMaxCols"]),
     (macko._ORIGIN_BIAS, "macko/macko_tensor_core_spmm.cu", ["kOriginBias"]),
+    (ops.BLOCKSPARSE_TILE, "blocksparse_attention/blocksparse_attention.h", ["kBlocksparseTile"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_python_limit_matches_the_kernel_source(python_value, source, names):
     found = constants(source)
