@@ -36,8 +36,19 @@ def sparse_matrix(rows: int, cols: int, dtype: torch.dtype, device: str, seed: i
     return matrix.to(dtype=dtype, device=device)
 
 
+def ks_sample(dtype: torch.dtype, device: str) -> tuple[WeightFormat, torch.Tensor]:
+    """A two-factor Monarch-like KS chain of shape (ROWS, COLS): a structured format's own sample."""
+    generator = torch.Generator().manual_seed(0)
+    factors = [(torch.randn(pattern, generator=generator) / pattern[2] ** 0.5).to(dtype=dtype, device=device)
+               for pattern in ((7, 10, 29, 1), (1, 7, 7, 10))]
+    fmt = FORMATS["ksmm"].from_factors(factors)
+    return fmt, fmt.to_dense()
+
+
 def encoded(name: str, dtype: torch.dtype = torch.float16, device: str = "cpu", rows: int = ROWS,
             cols: int = COLS) -> tuple[WeightFormat, torch.Tensor]:
+    if name == "ksmm" and (rows, cols) == (ROWS, COLS):
+        return ks_sample(dtype, device)
     matrix = sparse_matrix(rows, cols, dtype, device)
     return FORMATS[name].from_dense(matrix), matrix
 
