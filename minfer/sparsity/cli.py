@@ -17,7 +17,7 @@ from ..formats.ksmm import KSWeight
 from ..model import Transformer
 from .compressed import check_save_target, is_compressed, save_compressed
 from .compressed import stored_weight_bytes as file_weight_bytes
-from .factorize import SPEC_HELP, factorize_model, parse_patterns, random_chains
+from .factorize import SPEC_HELP, chain_for, factorize_model, parse_patterns, random_chains
 from .prune import METHODS, calibration_tokens, check_density, keep_per_row, prune_model_
 from .reference import load_reference, reference_formats
 from .report import BlockReport, block_reports, format_report, report_summary
@@ -143,7 +143,7 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"this model is stored compressed and loads with its projections as stored; --sparse "
                           f"{args.sparse} would not decompress them: drop --sparse, or start from the dense checkpoint")
     sparse = sparse_format(args)
-    check_ks_patterns(args, stored)
+    check_ks_patterns(args, stored, resolved.config)
     if args.density is None and resolved.is_random and format_class(sparse) not in (DenseWeight, KSWeight) \
             and not stored:
         raise MinferError(f"random weights have no zeros: --sparse {sparse} alone would store every weight "
@@ -171,8 +171,9 @@ def check(args: argparse.Namespace, resolved) -> None:
             raise MinferError(f"--save-compressed: {exc}") from None
 
 
-def check_ks_patterns(args: argparse.Namespace, stored: bool) -> None:
-    """--sparse ksmm and --ks-patterns go together, on dense weights and without --density."""
+def check_ks_patterns(args: argparse.Namespace, stored: bool, config) -> None:
+    """--sparse ksmm and --ks-patterns go together, on dense weights and without --density, with a chain for
+    every projection shape of `config`."""
     factorized = format_class(sparse_format(args)) is KSWeight
     if args.ks_patterns is not None and not factorized:
         raise MinferError(f"--ks-patterns sets the chains of --sparse {KSWeight.name}; add --sparse {KSWeight.name}")
@@ -185,7 +186,11 @@ def check_ks_patterns(args: argparse.Namespace, stored: bool) -> None:
         raise MinferError(f"--sparse {KSWeight.name} needs --ks-patterns PRESET|SPEC (e.g. --ks-patterns monarch-50)")
     if args.density is not None:
         raise MinferError(f"--density prunes, --sparse {KSWeight.name} factorizes the dense projections: drop --density")
-    parse_patterns(args.ks_patterns)
+    spec = parse_patterns(args.ks_patterns)
+    with torch.device("meta"):  # the projections' shapes, nothing allocated
+        shapes = {linear.fmt.shape for _, linear in Transformer(config).projections()}
+    for shape in sorted(shapes):
+        chain_for(spec, shape)
 
 
 def calibration(args: argparse.Namespace, tokenizer, config) -> torch.Tensor | None:

@@ -29,7 +29,7 @@ def pair_product(first: Pattern, second: Pattern) -> Pattern:
     rank_in, rank_out = a1 * c1, b2 * d2
     if a2 % a1 or d1 % d2 or rank_in % a2 or rank_out % d1 or rank_in // a2 != rank_out // d1:
         raise FormatError(f"the KS patterns {first} and {second} are not a chainable pair (they need a2 % a1 == 0, "
-                          f"d1 % d2 == 0 and a1·c1/a2 == b2·d2/d1 an integer, naming (a2, b2, c2, d2) the first)")
+                          f"d1 % d2 == 0 and a1·c1/a2 == b2·d2/d1 an integer, (a2, b2, c2, d2) the one applied first)")
     return (a1, b1 * d1 // d2, a2 * c2 // a1, d2)
 
 
