@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minfer.errors import FormatError
-from minfer.formats.ksmm import KSWeight
-from minfer.sparsity.factorize import chain_for, monarch_chain, parse_patterns, project_chain
+from minfer.formats.ksmm import KSWeight, project_chain
+from minfer.sparsity.factorize import chain_for, monarch_chain, parse_patterns
 from tests.helpers import APP, assert_input_error, in_process, load_app, tiny_random_model
 from tests.numerics import rel_error
 

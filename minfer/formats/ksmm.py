@@ -7,11 +7,14 @@ the KSMM seed's `KSLinear` does: entry 0 is the right-most factor K_L (it reads 
 the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
 
 No kernel yet: forward is the pure-PyTorch reference (one einsum per factor, fp32 accumulation).
+The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
+to a whole model, and this package must not import that one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -99,14 +102,12 @@ class KSWeight(WeightFormat):
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, patterns: Sequence[Sequence[int]] | None = None) -> KSWeight:
-        """The best chain of `patterns` for `weight` (sparsity.factorize's projection); without patterns,
+        """The best chain of `patterns` for `weight` (project_chain); without patterns,
         the matrix itself as one full factor (1, N, K, 1), exactly."""
         if weight.dim() != 2:
             raise FormatError(f"a KS weight encodes a 2-D [out, in] matrix, got shape {tuple(weight.shape)}")
         if patterns is None:
             return cls([weight.reshape(1, *weight.shape, 1)])
-        from ..sparsity.factorize import project_chain
-
         return cls(project_chain(weight, [tuple(p) for p in patterns]).factors)
 
     @classmethod
@@ -158,3 +159,68 @@ class KSWeight(WeightFormat):
 
     def extra_repr(self) -> str:
         return f"{self.name}, shape={self.shape}, patterns={self.patterns}"
+
+
+class Projection(NamedTuple):
+    factors: list[torch.Tensor]  # in application order, float32
+    error: float  # ||W - chain||_F (absolute)
+
+
+def pair_product(first: Pattern, second: Pattern) -> Pattern:
+    """The pattern of K_second K_first (first applied first), or FormatError when the pair does not chain:
+    a_second | a_first, d_first | d_second, and r = a_second·c_second / a_first = b_first·d_first / d_second
+    an integer (the pair's rank)."""
+    a2, b2, c2, d2 = first
+    a1, b1, c1, d1 = second
+    rank_in, rank_out = a1 * c1, b2 * d2
+    if a2 % a1 or d1 % d2 or rank_in % a2 or rank_out % d1 or rank_in // a2 != rank_out // d1:
+        raise FormatError(f"the KS patterns {first} and {second} are not a chainable pair (they need a2 % a1 == 0, "
+                          f"d1 % d2 == 0 and a1·c1/a2 == b2·d2/d1 an integer, (a2, b2, c2, d2) the one applied first)")
+    return (a1, b1 * d1 // d2, a2 * c2 // a1, d2)
+
+
+def project_pair(weight: torch.Tensor, first: Pattern, second: Pattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors (first, second) minimizing ||W - K_second K_first||_F: the matrix splits into
+    a1·d2 independent problems, each into d1'·a2' blocks of b1 x c2 whose rank-r truncated SVD is kept,
+    sqrt(S) going to each factor."""
+    pair_product(first, second)
+    a2, b2, c2, d2 = first
+    a1, b1, c1, d1 = second
+    sub_a, sub_d = a2 // a1, d1 // d2  # the sub-problems' patterns: (sub_a, b2, c2, 1) then (1, b1, c1, sub_d)
+    rank = c1 // sub_a
+    rows, cols = weight.shape
+    w = weight.to(torch.float32).reshape(a1, rows // (a1 * d2), d2, a1, cols // (a1 * d2), d2)
+    sub = torch.einsum("ipliql->ilpq", w)  # (a1, d2, b1·sub_d, sub_a·c2): the diagonal blocks
+    blocks = sub.reshape(a1, d2, b1, sub_d, sub_a, c2).permute(0, 1, 3, 4, 2, 5)  # (.., sub_d, sub_a, b1, c2)
+    u, s, vh = torch.linalg.svd(blocks, full_matrices=False)
+    kept = min(rank, s.shape[-1])
+    root = s[..., :kept].sqrt()
+    left = torch.zeros(*blocks.shape[:-2], b1, rank, dtype=torch.float32, device=weight.device)
+    right = torch.zeros(*blocks.shape[:-2], rank, c2, dtype=torch.float32, device=weight.device)
+    left[..., :kept] = u[..., :kept] * root[..., None, :]
+    right[..., :kept, :] = root[..., :, None] * vh[..., :kept, :]
+    # left[i, l2, l', i', j, t] = K_second[i, j, i'·r + t, l'·d2 + l2]
+    second_factor = left.permute(0, 4, 3, 5, 2, 1).reshape(a1, b1, sub_a * rank, sub_d * d2)
+    # right[i, l2, l', i', t, k] = K_first[i·sub_a + i', t·sub_d + l', k, l2]
+    first_factor = right.permute(0, 3, 4, 2, 5, 1).reshape(a1 * sub_a, rank * sub_d, c2, d2)
+    return first_factor, second_factor
+
+
+def project_chain(weight: torch.Tensor, patterns: Sequence[Pattern]) -> Projection:
+    """The chain of `patterns` (application order) approximating `weight`: the last factor is split off the
+    product of the others by project_pair, then that product is factorized the same way."""
+    patterns = [tuple(p) for p in patterns]
+    check_chain(patterns, tuple(weight.shape))
+    target = weight.to(torch.float32)
+    if len(patterns) == 1:
+        a, b, c, d = patterns[0]
+        factors = [torch.einsum("ijlikl->ijkl", target.reshape(a, b, d, a, c, d)).contiguous()]
+    else:
+        rest = patterns[0]
+        for pattern in patterns[1:-1]:
+            rest = pair_product(rest, pattern)
+        first, last = project_pair(target, rest, patterns[-1])
+        inner = project_chain(KSWeight.from_factors([first]).to_dense(), patterns[:-1]).factors
+        factors = [*inner, last]
+    error = float(torch.linalg.norm(target - KSWeight.from_factors(factors).to_dense()))
+    return Projection(factors, error)
