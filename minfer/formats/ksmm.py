@@ -85,11 +85,11 @@ class KSWeight(WeightFormat):
         super().__init__(pattern_outputs(patterns[-1]), pattern_inputs(patterns[0]))
         for index, factor in enumerate(factors):
             self.register_buffer(f"factor{index}", factor)
-        self.count = len(factors)
+        self.factor_count = len(factors)
 
     @property
     def factors(self) -> list[torch.Tensor]:
-        return [getattr(self, f"factor{index}") for index in range(self.count)]
+        return [getattr(self, f"factor{index}") for index in range(self.factor_count)]
 
     @property
     def patterns(self) -> list[Pattern]:
