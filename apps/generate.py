@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
         if config.vocab_size > tokenizer.vocab_size:
             note(f"NOTE: the bundled {tokenizer.vocab_size}-piece tokenizer stands in for the real one, so token ids "
                  f"beyond it print as ⁇.")
-    sparsity = sparsity_cli.apply(model, args, calibration_ids, resolved.tokenizer_path, note, resolved.is_random)
+    sparsity = sparsity_cli.apply(model, args, calibration_ids, resolved.tokenizer_path, note, resolved.is_random,
+                                  seed=args.seed)
     model.place_embedding(args.embedding or ("host" if args.backend == "minfer" else "gpu"))
     if args.embedding == "host" and device.type == "cuda" and model.embedding_place() != "host":
         note("NOTE: the embedding is tied to lm_head, which reads it every step: it stays on the GPU.")

@@ -36,8 +36,19 @@ def sparse_matrix(rows: int, cols: int, dtype: torch.dtype, device: str, seed: i
     return matrix.to(dtype=dtype, device=device)
 
 
+def ks_sample(dtype: torch.dtype, device: str) -> tuple[WeightFormat, torch.Tensor]:
+    """A two-factor Monarch-like KS chain of shape (ROWS, COLS): a structured format's own sample."""
+    generator = torch.Generator().manual_seed(0)
+    factors = [(torch.randn(pattern, generator=generator) / pattern[2] ** 0.5).to(dtype=dtype, device=device)
+               for pattern in ((7, 10, 29, 1), (1, 7, 7, 10))]
+    fmt = FORMATS["ksmm"].from_factors(factors)
+    return fmt, fmt.to_dense()
+
+
 def encoded(name: str, dtype: torch.dtype = torch.float16, device: str = "cpu", rows: int = ROWS,
             cols: int = COLS) -> tuple[WeightFormat, torch.Tensor]:
+    if name == "ksmm" and (rows, cols) == (ROWS, COLS):
+        return ks_sample(dtype, device)
     matrix = sparse_matrix(rows, cols, dtype, device)
     return FORMATS[name].from_dense(matrix), matrix
 
@@ -189,10 +200,16 @@ class MinferOpCalls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# Formats whose forward is still the pure-PyTorch reference: strict, so the kernel's arrival flags the entry.
+NO_KERNEL_YET = {"ksmm": "issue 33: the KS factor kernel is not written yet"}
+
+
 @requires_cuda
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("tokens", [1, 16, 40])
-def test_opcheck_of_every_op_the_format_calls(name, tokens):
+def test_opcheck_of_every_op_the_format_calls(name, tokens, request):
+    if name in NO_KERNEL_YET and tokens <= 16:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=NO_KERNEL_YET[name]))
     fmt, _ = encoded(name, device="cuda")
     x = torch.randn(tokens, COLS, dtype=torch.float16, device="cuda")
     norm_weight = torch.rand(COLS, dtype=torch.float16, device="cuda") + 0.5

@@ -1,0 +1,226 @@
+"""Kronecker-sparse (KS) chains: a projection stored as a product of Kronecker-sparse factors (Monarch,
+butterfly; docs/FORMATS.md, "Kronecker-sparse factors").
+
+A factor of pattern (a, b, c, d) is a tensor W of shape (a, b, c, d), the (a·b·d) x (a·c·d) matrix
+K[i·b·d + j·d + l, i·c·d + k·d + l] = W[i, j, k, l]. A chain lists its factors in application order, as
+the KSMM seed's `KSLinear` does: entry 0 is the right-most factor K_L (it reads the input, applied first),
+the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
+
+No kernel yet: forward is the pure-PyTorch reference (one einsum per factor, fp32 accumulation).
+The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
+to a whole model, and this package must not import that one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..errors import FormatError
+from .base import WeightFormat, expect_tensors, register
+
+Pattern = tuple[int, int, int, int]
+
+
+def pattern_inputs(pattern: Pattern) -> int:
+    a, _, c, d = pattern
+    return a * c * d
+
+
+def pattern_outputs(pattern: Pattern) -> int:
+    a, b, _, d = pattern
+    return a * b * d
+
+
+def check_chain(patterns: Sequence[Pattern], shape: tuple[int, int]) -> None:
+    """Raise FormatError (one line naming the pair) unless `patterns`, in application order, multiply to a
+    matrix of `shape` (N, K)."""
+    if not patterns:
+        raise FormatError("a KS chain needs at least one factor pattern (a, b, c, d)")
+    for pattern in patterns:
+        if len(pattern) != 4 or any(not isinstance(v, int) or v < 0 for v in pattern) or pattern[0] < 1 \
+                or pattern[3] < 1:
+            raise FormatError(f"a KS pattern is four integers (a, b, c, d) with a, d >= 1 and b, c >= 0, got "
+                              f"{tuple(pattern)}")
+    for first, second in zip(patterns, patterns[1:]):
+        if pattern_outputs(first) != pattern_inputs(second):
+            raise FormatError(f"the KS patterns {tuple(first)} and {tuple(second)} do not chain: the first writes "
+                              f"{pattern_outputs(first)} values, the second reads {pattern_inputs(second)}")
+    rows, cols = shape
+    if pattern_inputs(patterns[0]) != cols:
+        raise FormatError(f"the KS chain's first factor {tuple(patterns[0])} reads {pattern_inputs(patterns[0])} "
+                          f"inputs, but the matrix has {cols} columns")
+    if pattern_outputs(patterns[-1]) != rows:
+        raise FormatError(f"the KS chain's last factor {tuple(patterns[-1])} writes {pattern_outputs(patterns[-1])} "
+                          f"outputs, but the matrix has {rows} rows")
+
+
+def apply_factor(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x (B, a·c·d) times the factor's matrix transposed: (B, a·b·d). The views do the stride-d gather and
+    scatter; einsum contracts over c."""
+    a, b, c, d = factor.shape
+    y = torch.einsum("nikl,ijkl->nijl", x.reshape(x.shape[0], a, c, d), factor)
+    return y.reshape(x.shape[0], a * b * d)
+
+
+@register
+class KSWeight(WeightFormat):
+    """A chain of KS factors, in application order (factor0 = K_L first; see the module docstring)."""
+
+    name = "ksmm"
+
+    def __init__(self, factors: Sequence[torch.Tensor]):
+        factors = list(factors)
+        patterns = [tuple(f.shape) for f in factors]
+        if any(f.dim() != 4 for f in factors):
+            raise FormatError(f"each KS factor is a 4-D (a, b, c, d) tensor, got shapes {patterns}")
+        if not factors:
+            raise FormatError("a KS chain needs at least one factor")
+        check_chain(patterns, (pattern_outputs(patterns[-1]), pattern_inputs(patterns[0])))
+        if any(not f.is_floating_point() or f.dtype != factors[0].dtype for f in factors):
+            raise FormatError(f"the factors of a KS chain share one float dtype, got "
+                              f"{', '.join(str(f.dtype) for f in factors)}")
+        super().__init__(pattern_outputs(patterns[-1]), pattern_inputs(patterns[0]))
+        for index, factor in enumerate(factors):
+            self.register_buffer(f"factor{index}", factor)
+        self.factor_count = len(factors)
+
+    @property
+    def factors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"factor{index}") for index in range(self.factor_count)]
+
+    @property
+    def patterns(self) -> list[Pattern]:
+        return [tuple(f.shape) for f in self.factors]
+
+    @classmethod
+    def from_factors(cls, factors: Sequence[torch.Tensor]) -> KSWeight:
+        """The chain of these factors, in application order (each tensor's shape is its pattern)."""
+        return cls(factors)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, patterns: Sequence[Sequence[int]] | None = None) -> KSWeight:
+        """The best chain of `patterns` for `weight` (project_chain); without patterns,
+        the matrix itself as one full factor (1, N, K, 1), exactly."""
+        if weight.dim() != 2:
+            raise FormatError(f"a KS weight encodes a 2-D [out, in] matrix, got shape {tuple(weight.shape)}")
+        if patterns is None:
+            return cls([weight.reshape(1, *weight.shape, 1)])
+        return cls(project_chain(weight, [tuple(p) for p in patterns]).factors)
+
+    @classmethod
+    def random(cls, patterns: Sequence[Pattern], dtype: torch.dtype, device: torch.device | str,
+               generator: torch.Generator) -> KSWeight:
+        """Random factors (uniform in ±1/sqrt(c), as KSLinear initializes them) for benchmarks."""
+        factors = [((torch.rand(p, generator=generator) * 2 - 1) / max(p[2], 1) ** 0.5).to(dtype=dtype, device=device)
+                   for p in patterns]
+        return cls(factors)
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int],
+                     options: Mapping[str, object]) -> KSWeight:
+        patterns = [tuple(p) for p in options.get("patterns", ())]
+        check_chain(patterns, tuple(shape))
+        names = tuple(f"factor{index}" for index in range(len(patterns)))
+        expect_tensors(cls, tensors, names)
+        for name, pattern in zip(names, patterns):
+            if tuple(tensors[name].shape) != pattern:
+                raise FormatError(f"the KS tensor {name} has shape {tuple(tensors[name].shape)}, but its pattern "
+                                  f"is {pattern}")
+        return cls([tensors[name] for name in names])
+
+    def options(self) -> dict:
+        return {"patterns": [list(p) for p in self.patterns]}
+
+    def check(self) -> None:
+        check_chain(self.patterns, self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.factor0.dtype
+
+    def _apply_chain(self, flat: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+        for factor in self.factors:
+            flat = apply_factor(flat, factor.to(compute))
+        return flat
+
+    def to_dense(self) -> torch.Tensor:
+        """The chain applied to the identity in float64, rounded once to the storage dtype (a single factor
+        is placed exactly)."""
+        eye = torch.eye(self.in_features, dtype=torch.float64, device=self.factor0.device)
+        return self._apply_chain(eye, torch.float64).T.to(self.dtype).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        flat = x.reshape(-1, self.in_features).to(compute)
+        return self._apply_chain(flat, compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, shape={self.shape}, patterns={self.patterns}"
+
+
+class Projection(NamedTuple):
+    factors: list[torch.Tensor]  # in application order, float32
+    error: float  # ||W - chain||_F (absolute)
+
+
+def pair_product(first: Pattern, second: Pattern) -> Pattern:
+    """The pattern of K_second K_first (first applied first), or FormatError when the pair does not chain:
+    a_second | a_first, d_first | d_second, and r = a_second·c_second / a_first = b_first·d_first / d_second
+    an integer (the pair's rank)."""
+    a2, b2, c2, d2 = first
+    a1, b1, c1, d1 = second
+    rank_in, rank_out = a1 * c1, b2 * d2
+    if a2 % a1 or d1 % d2 or rank_in % a2 or rank_out % d1 or rank_in // a2 != rank_out // d1:
+        raise FormatError(f"the KS patterns {first} and {second} are not a chainable pair (they need a2 % a1 == 0, "
+                          f"d1 % d2 == 0 and a1·c1/a2 == b2·d2/d1 an integer, (a2, b2, c2, d2) the one applied first)")
+    return (a1, b1 * d1 // d2, a2 * c2 // a1, d2)
+
+
+def project_pair(weight: torch.Tensor, first: Pattern, second: Pattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors (first, second) minimizing ||W - K_second K_first||_F: the matrix splits into
+    a1·d2 independent problems, each into d1'·a2' blocks of b1 x c2 whose rank-r truncated SVD is kept,
+    sqrt(S) going to each factor."""
+    pair_product(first, second)
+    a2, b2, c2, d2 = first
+    a1, b1, c1, d1 = second
+    sub_a, sub_d = a2 // a1, d1 // d2  # the sub-problems' patterns: (sub_a, b2, c2, 1) then (1, b1, c1, sub_d)
+    rank = c1 // sub_a
+    rows, cols = weight.shape
+    w = weight.to(torch.float32).reshape(a1, rows // (a1 * d2), d2, a1, cols // (a1 * d2), d2)
+    sub = torch.einsum("ipliql->ilpq", w)  # (a1, d2, b1·sub_d, sub_a·c2): the diagonal blocks
+    blocks = sub.reshape(a1, d2, b1, sub_d, sub_a, c2).permute(0, 1, 3, 4, 2, 5)  # (.., sub_d, sub_a, b1, c2)
+    u, s, vh = torch.linalg.svd(blocks, full_matrices=False)
+    kept = min(rank, s.shape[-1])
+    root = s[..., :kept].sqrt()
+    left = torch.zeros(*blocks.shape[:-2], b1, rank, dtype=torch.float32, device=weight.device)
+    right = torch.zeros(*blocks.shape[:-2], rank, c2, dtype=torch.float32, device=weight.device)
+    left[..., :kept] = u[..., :kept] * root[..., None, :]
+    right[..., :kept, :] = root[..., :, None] * vh[..., :kept, :]
+    # left[i, l2, l', i', j, t] = K_second[i, j, i'·r + t, l'·d2 + l2]
+    second_factor = left.permute(0, 4, 3, 5, 2, 1).reshape(a1, b1, sub_a * rank, sub_d * d2)
+    # right[i, l2, l', i', t, k] = K_first[i·sub_a + i', t·sub_d + l', k, l2]
+    first_factor = right.permute(0, 3, 4, 2, 5, 1).reshape(a1 * sub_a, rank * sub_d, c2, d2)
+    return first_factor, second_factor
+
+
+def project_chain(weight: torch.Tensor, patterns: Sequence[Pattern]) -> Projection:
+    """The chain of `patterns` (application order) approximating `weight`: the last factor is split off the
+    product of the others by project_pair, then that product is factorized the same way."""
+    patterns = [tuple(p) for p in patterns]
+    check_chain(patterns, tuple(weight.shape))
+    target = weight.to(torch.float32)
+    if len(patterns) == 1:
+        a, b, c, d = patterns[0]
+        factors = [torch.einsum("ijlikl->ijkl", target.reshape(a, b, d, a, c, d)).contiguous()]
+    else:
+        rest = patterns[0]
+        for pattern in patterns[1:-1]:
+            rest = pair_product(rest, pattern)
+        first, last = project_pair(target, rest, patterns[-1])
+        inner = project_chain(KSWeight.from_factors([first]).to_dense(), patterns[:-1]).factors
+        factors = [*inner, last]
+    error = float(torch.linalg.norm(target - KSWeight.from_factors(factors).to_dense()))
+    return Projection(factors, error)
