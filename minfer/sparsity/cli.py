@@ -13,11 +13,10 @@ from torch import nn
 from ..checkpoint import load_model as load_checkpoint
 from ..errors import MinferError
 from ..formats import FORMATS, DenseWeight, WeightFormat, convert, format_class
-from ..formats.ksmm import KSWeight
 from ..model import Transformer
 from .compressed import check_save_target, is_compressed, save_compressed
 from .compressed import stored_weight_bytes as file_weight_bytes
-from .factorize import SPEC_HELP, chain_for, factorize_model, parse_patterns, random_chains
+from .conversion import CONVERSIONS, conversion_for
 from .prune import METHODS, calibration_tokens, check_density, keep_per_row, prune_model_
 from .reference import load_reference, reference_formats
 from .report import BlockReport, block_reports, format_report, report_summary
@@ -50,10 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"write the pruned, converted model to DIR (with {sparse_flag()}; float tensors as "
                             "float16 or bfloat16 when that holds them exactly, e.g. after a float32 CPU run of a "
                             "16-bit checkpoint); later runs load it with --model DIR")
-    group.add_argument("--ks-patterns", default=None, metavar="PRESET|SPEC",
-                       help=f"with --sparse {KSWeight.name}: the Kronecker-sparse chain of each projection, {SPEC_HELP}; "
-                            "checkpoint weights are projected onto it (per-block SVD, the error reported), random "
-                            "weights get random factors")
+    for conversion in CONVERSIONS:
+        conversion.add_arguments(group)
     for cls in reference_formats():
         group.add_argument(f"--{cls.name}-reference", dest=f"{cls.name}_reference", default=None, metavar="FILE",
                            help=f"load the projections from {cls.reference}")
@@ -143,9 +140,10 @@ def check(args: argparse.Namespace, resolved) -> None:
         raise MinferError(f"this model is stored compressed and loads with its projections as stored; --sparse "
                           f"{args.sparse} would not decompress them: drop --sparse, or start from the dense checkpoint")
     sparse = sparse_format(args)
-    check_ks_patterns(args, stored, resolved.config)
-    if args.density is None and resolved.is_random and format_class(sparse) not in (DenseWeight, KSWeight) \
-            and not stored:
+    for conversion in CONVERSIONS:
+        conversion.check(args, format_class(sparse) is conversion.format, stored, resolved.config)
+    if args.density is None and resolved.is_random and format_class(sparse) is not DenseWeight \
+            and conversion_for(format_class(sparse)) is None and not stored:
         raise MinferError(f"random weights have no zeros: --sparse {sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
     _, seq_len = calibration_shape(args)
@@ -169,28 +167,6 @@ def check(args: argparse.Namespace, resolved) -> None:
             check_save_target(target)  # now, not after loading and pruning
         except MinferError as exc:
             raise MinferError(f"--save-compressed: {exc}") from None
-
-
-def check_ks_patterns(args: argparse.Namespace, stored: bool, config) -> None:
-    """--sparse ksmm and --ks-patterns go together, on dense weights and without --density, with a chain for
-    every projection shape of `config`."""
-    factorized = format_class(sparse_format(args)) is KSWeight
-    if args.ks_patterns is not None and not factorized:
-        raise MinferError(f"--ks-patterns sets the chains of --sparse {KSWeight.name}; add --sparse {KSWeight.name}")
-    if not factorized or stored:
-        if args.ks_patterns is not None:
-            raise MinferError("this model is stored compressed and loads with its projections as stored; drop "
-                              "--ks-patterns, or start from the dense checkpoint")
-        return
-    if args.ks_patterns is None:
-        raise MinferError(f"--sparse {KSWeight.name} needs --ks-patterns PRESET|SPEC (e.g. --ks-patterns monarch-50)")
-    if args.density is not None:
-        raise MinferError(f"--density prunes, --sparse {KSWeight.name} factorizes the dense projections: drop --density")
-    spec = parse_patterns(args.ks_patterns)
-    with torch.device("meta"):  # the projections' shapes, nothing allocated
-        shapes = {linear.fmt.shape for _, linear in Transformer(config).projections()}
-    for shape in sorted(shapes):
-        chain_for(spec, shape)
 
 
 def calibration(args: argparse.Namespace, tokenizer, config) -> torch.Tensor | None:
@@ -225,7 +201,8 @@ def apply(model: nn.Module, args: argparse.Namespace, calibration_ids: torch.Ten
           tokenizer_path: Path | None, note: Callable[[str], None],
           random_weights: bool = False, seed: int = 0) -> list[BlockReport] | None:
     """Prune (--density, --prune; wanda over `calibration_ids`, from calibration()), convert to
-    --sparse (ksmm: factorize, or random factors from `seed` for `random_weights`), report, and save
+    --sparse (through the format's registered Conversion when it has one, given `random_weights` and `seed`),
+    report, and save
     (--save-compressed; a save of `random_weights` says so in its file).
     Returns the per-block report when the projections are pruned or stored sparse."""
     cls = format_class(sparse_format(args))
@@ -238,13 +215,9 @@ def apply(model: nn.Module, args: argparse.Namespace, calibration_ids: torch.Ten
                  f"before; add {sparse_flag()} to store them compressed")
     # a dense --sparse (the default) never decompresses a model loaded in a sparse format
     converted = cls is not DenseWeight and any(not isinstance(linear.fmt, cls) for _, linear in model.projections())
-    if converted and cls is KSWeight and random_weights:
-        random_chains(model, parse_patterns(args.ks_patterns), seed)
-        note(f"random {KSWeight.name} factors ({args.ks_patterns})")
-    elif converted and cls is KSWeight:
-        layers, total = factorize_model(model, parse_patterns(args.ks_patterns), progress=True)
-        note("relative Frobenius error of the KS projection: "
-             + ", ".join(f"{e.layer} {e.relative:.4f}" for e in layers) + f"; total {total:.4f}")
+    conversion = conversion_for(cls)
+    if converted and conversion is not None:
+        conversion.convert(model, args, random_weights, seed, note)
     elif converted:
         convert(model, sparse_format(args), progress=True)
         if torch.cuda.is_available():

@@ -5,14 +5,18 @@ random chains for benchmarks."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import argparse
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..errors import FormatError
+from ..config import ModelConfig
+from ..errors import FormatError, MinferError
 from ..formats.ksmm import KSWeight, Pattern, check_chain, project_chain
+from ..model import Transformer
+from .conversion import Conversion, register_conversion
 
 
 # --ks-patterns presets: the fraction of each projection's parameters a Monarch pair keeps.
@@ -100,3 +104,50 @@ def random_chains(model: nn.Module, spec: str | dict[tuple[int, int], list[Patte
     for _, linear in model.projections():
         dtype, device = linear.fmt.dtype, next(linear.fmt.buffers()).device
         linear.set_format(KSWeight.random(chain_for(spec, linear.fmt.shape), dtype, device, generator))
+
+
+@register_conversion
+class KSConversion(Conversion):
+    """--sparse ksmm --ks-patterns PRESET|SPEC: checkpoint weights are projected onto the chains (per-block
+    SVD, the error reported), random weights get random factors."""
+
+    format = KSWeight
+
+    def add_arguments(self, group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--ks-patterns", default=None, metavar="PRESET|SPEC",
+                           help=f"with --sparse {KSWeight.name}: the Kronecker-sparse chain of each projection, "
+                                f"{SPEC_HELP}; checkpoint weights are projected onto it (per-block SVD, the error "
+                                "reported), random weights get random factors")
+
+    def check(self, args: argparse.Namespace, chosen: bool, stored: bool, config: ModelConfig) -> None:
+        """--sparse ksmm and --ks-patterns go together, on dense weights and without --density, with a chain
+        for every projection shape of `config`."""
+        if args.ks_patterns is not None and not chosen:
+            raise MinferError(f"--ks-patterns sets the chains of --sparse {KSWeight.name}; add --sparse "
+                              f"{KSWeight.name}")
+        if not chosen or stored:
+            if args.ks_patterns is not None:
+                raise MinferError("this model is stored compressed and loads with its projections as stored; drop "
+                                  "--ks-patterns, or start from the dense checkpoint")
+            return
+        if args.ks_patterns is None:
+            raise MinferError(f"--sparse {KSWeight.name} needs --ks-patterns PRESET|SPEC (e.g. --ks-patterns "
+                              "monarch-50)")
+        if args.density is not None:
+            raise MinferError(f"--density prunes, --sparse {KSWeight.name} factorizes the dense projections: drop "
+                              "--density")
+        spec = parse_patterns(args.ks_patterns)
+        with torch.device("meta"):  # the projections' shapes, nothing allocated
+            shapes = {linear.fmt.shape for _, linear in Transformer(config).projections()}
+        for shape in sorted(shapes):
+            chain_for(spec, shape)
+
+    def convert(self, model: nn.Module, args: argparse.Namespace, random_weights: bool, seed: int,
+                note: Callable[[str], None]) -> None:
+        if random_weights:
+            random_chains(model, parse_patterns(args.ks_patterns), seed)
+            note(f"random {KSWeight.name} factors ({args.ks_patterns})")
+            return
+        layers, total = factorize_model(model, parse_patterns(args.ks_patterns), progress=True)
+        note("relative Frobenius error of the KS projection: "
+             + ", ".join(f"{e.layer} {e.relative:.4f}" for e in layers) + f"; total {total:.4f}")
