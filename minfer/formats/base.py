@@ -47,6 +47,9 @@ class WeightFormat(nn.Module, metaclass=ABCMeta):
     aliases: ClassVar[tuple[str, ...]] = ()  # other --sparse values meaning this format
     # Another tool's checkpoint format that `from_reference` imports (help text of --<name>-reference), or None.
     reference: ClassVar[str | None] = None
+    # (N, M) when `from_dense` needs N:M structure (at most N nonzeros in every M consecutive columns of a
+    # row): the sparsity CLI prunes to it, by magnitude or wanda, instead of to a --density.
+    structure: ClassVar[tuple[int, int] | None] = None
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
