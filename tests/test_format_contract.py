@@ -16,7 +16,7 @@ from minfer.config import ModelConfig
 from minfer.errors import FormatError
 from minfer.formats import FORMATS, WeightFormat, convert
 from minfer.model import Transformer
-from minfer.sparsity import prune_model_
+from minfer.sparsity import prune_model_, prune_to_structure_
 from minfer.sparsity.compressed import WEIGHTS_FILE, is_compressed, save_compressed
 from tests.conftest import requires_cuda
 from tests.numerics import fused_linear_reference64, rel_error
@@ -50,6 +50,8 @@ def encoded(name: str, dtype: torch.dtype = torch.float16, device: str = "cpu", 
     if name == "ksmm" and (rows, cols) == (ROWS, COLS):
         return ks_sample(dtype, device)
     matrix = sparse_matrix(rows, cols, dtype, device)
+    if FORMATS[name].structure is not None:  # N:M formats: the N largest of every M
+        prune_to_structure_(matrix, matrix.abs(), FORMATS[name].structure)
     return FORMATS[name].from_dense(matrix), matrix
 
 
@@ -152,12 +154,12 @@ def test_stats_for_the_report(name):
     assert 0 <= stats.rows_larger_than_dense <= ROWS and stats.density == stats.nonzeros / stats.elements
 
 
-def tiny_model(dtype: torch.dtype) -> Transformer:
+def tiny_model(dtype: torch.dtype, structure: tuple[int, int] | None = None) -> Transformer:
     config = ModelConfig(vocab_size=96, hidden_size=40, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=10,
                          intermediate_size=56, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
                          max_position_embeddings=32, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = random_init(Transformer(config), seed=5, dtype=dtype, device="cpu")
-    return prune_model_(model, 0.5, progress=False)
+    return prune_model_(model, None if structure else 0.5, progress=False, structure=structure)
 
 
 def logits(model: Transformer) -> torch.Tensor:
@@ -171,7 +173,7 @@ def logits(model: Transformer) -> torch.Tensor:
 def test_save_and_load_through_a_compressed_folder(name, dtype, tmp_path):
     from safetensors import safe_open
 
-    model = convert(tiny_model(dtype), name)
+    model = convert(tiny_model(dtype, FORMATS[name].structure), name)
     folder = save_compressed(model, tmp_path / "saved")
     assert is_compressed(folder)
     with safe_open(str(folder / WEIGHTS_FILE), "pt") as f:

@@ -38,8 +38,9 @@ def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     slot = torch.arange(4, device=weight.device)
     nibble_shift = 4 * torch.arange(8, device=weight.device)
     block_rows = max(1, BLOCK_ELEMENTS // max(padded, 1))
-    for first in range(0, rows, block_rows):
-        w = torch.nn.functional.pad(weight[first:first + block_rows], (0, padded - cols)).view(-1, padded // 4, 4)
+    for first in range(0, rows if cols else 0, block_rows):
+        block = weight[first:first + block_rows]
+        w = torch.nn.functional.pad(block, (0, padded - cols)).view(block.shape[0], padded // 4, 4)
         nonzero = w != 0
         counts = nonzero.sum(dim=-1)
         if bool((counts > 2).any()):

@@ -27,10 +27,10 @@ def sparse24_decompress_reference(values: torch.Tensor, meta: torch.Tensor, cols
     rows = values.shape[0]
     first, second = _kept_slots(meta)
     dense = values.new_zeros(rows, first.shape[1], 4)
-    pairs = values.view(rows, -1, 2)
+    pairs = values.view(rows, first.shape[1], 2)
     dense.scatter_(-1, first.long().unsqueeze(-1), pairs[..., :1])
     dense.scatter_(-1, second.long().unsqueeze(-1), pairs[..., 1:])
-    return dense.view(rows, -1)[:, :cols]
+    return dense.view(rows, 4 * first.shape[1])[:, :cols]
 
 
 def check_sparse24_arrays(values: torch.Tensor, meta: torch.Tensor, cols: int) -> None:

@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(e.g. 0.5); default: keep the checkpoint's zeros as they are (random weights "
                             "have none: they need --density)")
     group.add_argument("--prune", choices=METHODS, default=None,
-                       help="how --density prunes: |w| (magnitude, the default) or |w| * ||x|| over "
-                            "calibration text (wanda)")
+                       help="how --density (or a structured --sparse such as 2:4) prunes: |w| (magnitude, the "
+                            "default) or |w| * ||x|| over calibration text (wanda)")
     group.add_argument("--calib-text", default=None, metavar="FILE",
                        help="wanda calibration text (default: the small corpus shipped in minfer/data/corpus)")
     group.add_argument("--calib-samples", type=int, default=None, metavar="N",
@@ -74,6 +74,11 @@ def reference_source(args: argparse.Namespace) -> Reference | None:
 def sparse_format(args: argparse.Namespace) -> str:
     """--sparse, or "none" (dense) when not given: a compressed model then loads as stored."""
     return args.sparse or "none"
+
+
+def structure(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The N:M structure the --sparse format needs (the CLI prunes dense projections to it), or None."""
+    return format_class(sparse_format(args)).structure
 
 
 def weight_formats(model: nn.Module) -> str:
@@ -114,7 +119,10 @@ def check(args: argparse.Namespace, resolved) -> None:
     reference_flag = [(reference.flag, reference.file)] if reference is not None else []
     calib_flags = [flag for flag, value in (("--calib-text", args.calib_text), ("--calib-samples", args.calib_samples),
                                             ("--calib-seq-len", args.calib_seq_len)) if value is not None]
-    if args.density is None and (args.prune or calib_flags):
+    pattern = structure(args)
+    if pattern is not None and args.density is not None:
+        raise MinferError(f"--sparse {args.sparse} prunes to {pattern[0]} of every {pattern[1]} weights; drop --density")
+    if args.density is None and pattern is None and (args.prune or calib_flags):
         raise MinferError(f"{(['--prune'] if args.prune else calib_flags)[0]} sets how --density prunes; "
                           "pass --density D too (e.g. --density 0.5)")
     if args.density is not None:
@@ -143,7 +151,7 @@ def check(args: argparse.Namespace, resolved) -> None:
     for conversion in CONVERSIONS:
         conversion.check(args, format_class(sparse) is conversion.format, stored, resolved.config)
     if args.density is None and resolved.is_random and format_class(sparse) is not DenseWeight \
-            and conversion_for(format_class(sparse)) is None and not stored:
+            and conversion_for(format_class(sparse)) is None and pattern is None and not stored:
         raise MinferError(f"random weights have no zeros: --sparse {sparse} alone would store every weight "
                           "(larger than dense); pass --density D to prune them first, e.g. --density 0.5")
     _, seq_len = calibration_shape(args)
@@ -172,9 +180,11 @@ def check(args: argparse.Namespace, resolved) -> None:
 def calibration(args: argparse.Namespace, tokenizer, config) -> torch.Tensor | None:
     """What --density needs, checked before the weights load: every projection row keeps a weight, and
     wanda's calibration text is long enough. Returns wanda's calibration tokens (None without wanda)."""
-    if args.density is None:
+    if args.density is None and structure(args) is None:
         return None
-    keep_per_row(min(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size), args.density)
+    if args.density is not None:
+        keep_per_row(min(config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size),
+                     args.density)
     if args.prune != "wanda":
         return None
     return calibration_tokens(tokenizer, *calibration_shape(args), args.calib_text)
@@ -206,6 +216,10 @@ def apply(model: nn.Module, args: argparse.Namespace, calibration_ids: torch.Ten
     (--save-compressed; a save of `random_weights` says so in its file).
     Returns the per-block report when the projections are pruned or stored sparse."""
     cls = format_class(sparse_format(args))
+    if cls.structure is not None and any(isinstance(linear.fmt, DenseWeight) for _, linear in model.projections()):
+        method = args.prune or "magnitude"
+        note(f"pruning the projections to {cls.structure[0]}:{cls.structure[1]} ({method})")
+        prune_model_(model, None, method, calibration_ids, structure=cls.structure)
     if args.density is not None:
         method = args.prune or "magnitude"
         note(f"pruning the projections to density {args.density} ({method})")

@@ -1,4 +1,5 @@
-"""Unstructured pruning of the projection matrices to a target density, one output row at a time.
+"""Pruning of the projection matrices, one output row at a time: unstructured to a target density, or
+to N:M structure (at most N nonzeros in every M consecutive columns, e.g. 2:4).
 
 - `magnitude`: keep the largest |W_ij| of each row.
 - `wanda` (Sun et al., 2023): keep the largest |W_ij| * ||X_j||_2 of each row, where ||X_j|| is
@@ -13,6 +14,8 @@ original). Embeddings and lm_head stay dense.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,6 +55,23 @@ def prune_by_score_(weight: torch.Tensor, score: torch.Tensor, density: float) -
     return weight
 
 
+def prune_to_structure_(weight: torch.Tensor, score: torch.Tensor, structure: tuple[int, int]) -> torch.Tensor:
+    """Zero, in place, the M - N lowest-scored entries of every M consecutive columns of `weight` (a last
+    group of fewer columns keeps at most N). Returns `weight`."""
+    keep, group = structure
+    if not 0 < keep < group:
+        raise MinferError(f"an N:M structure keeps 0 < N < M weights of every M, got {keep}:{group}")
+    rows, cols = weight.shape
+    pad = -cols % group
+    # padding scores lowest, so a short last group drops its padding first
+    grouped = torch.nn.functional.pad(score.float(), (0, pad), value=float("-inf")).view(rows, -1, group)
+    drop = grouped.topk(group - keep, dim=-1, largest=False).indices
+    drop = drop + group * torch.arange(grouped.shape[1], device=drop.device)[:, None]
+    mask = torch.ones(rows, cols + pad, dtype=torch.bool, device=weight.device)
+    mask.scatter_(1, drop.view(rows, -1), False)
+    return weight.masked_fill_(~mask[:, :cols], 0)
+
+
 def prune_magnitude_(weight: torch.Tensor, density: float) -> torch.Tensor:
     return prune_by_score_(weight, weight.abs(), density)
 
@@ -68,28 +88,38 @@ def _dense_weight(linear: nn.Module, name: str) -> torch.Tensor:
     return linear.fmt.weight
 
 
+Pruner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (weight, score) -> weight pruned in place
+
+
 @torch.no_grad()
-def prune_model_(model: nn.Module, density: float, method: str = "magnitude",
-                 calibration: torch.Tensor | None = None, batch_size: int = 1, progress: bool = True) -> nn.Module:
-    """Prune every projection of `model` in place to `density` per row.
+def prune_model_(model: nn.Module, density: float | None, method: str = "magnitude",
+                 calibration: torch.Tensor | None = None, batch_size: int = 1, progress: bool = True,
+                 structure: tuple[int, int] | None = None) -> nn.Module:
+    """Prune every projection of `model` in place to `density` per row, or with `structure` (N, M) to N of
+    every M consecutive weights of a row (`density` is then None).
 
     `calibration` ([samples, seq_len] token ids, wanda only) is run through the model `batch_size`
     samples at a time; wanda sets up the model's caches for that shape.
     """
     if method not in METHODS:
         raise MinferError(f"unknown pruning method {method!r}; choose one of: {', '.join(METHODS)}")
-    check_density(density)  # before any work
+    if structure is None:
+        check_density(density)  # before any work
+        prune: Pruner = partial(prune_by_score_, density=density)
+    else:
+        prune = partial(prune_to_structure_, structure=structure)
     if method == "magnitude":
         for name, linear in tqdm(list(model.projections()), desc="magnitude pruning", disable=not progress):
-            prune_magnitude_(_dense_weight(linear, name), density)
+            weight = _dense_weight(linear, name)
+            prune(weight, weight.abs())
         return model
     if calibration is None or calibration.dim() != 2:
         raise MinferError("wanda needs calibration token ids of shape [samples, seq_len]")
-    _prune_wanda(model, density, calibration, batch_size, progress)
+    _prune_wanda(model, prune, calibration, batch_size, progress)
     return model
 
 
-def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_size: int, progress: bool) -> None:
+def _prune_wanda(model: nn.Module, prune: Pruner, tokens: torch.Tensor, batch_size: int, progress: bool) -> None:
     device = model.norm.weight.device
     seq_len = tokens.shape[1]
     model.setup_caches(batch_size, seq_len)
@@ -97,10 +127,10 @@ def _prune_wanda(model: nn.Module, density: float, tokens: torch.Tensor, batch_s
     batches = tokens.to(device).split(batch_size)
     residuals = [model.embed_tokens(batch) for batch in batches]
     with model.attention.forward_pass(torch.arange(seq_len, device=device), seq_len, seq_len) as step:
-        _prune_wanda_blocks(model, density, residuals, step, rope, progress)
+        _prune_wanda_blocks(model, prune, residuals, step, rope, progress)
 
 
-def _prune_wanda_blocks(model: nn.Module, density: float, residuals: list[torch.Tensor], step: AttentionPass,
+def _prune_wanda_blocks(model: nn.Module, prune: Pruner, residuals: list[torch.Tensor], step: AttentionPass,
                         rope: tuple[torch.Tensor, torch.Tensor], progress: bool) -> None:
     """Block by block: the input statistics of each projection, its pruning, then the block's outputs
     (from its pruned weights) as the next block's inputs."""
@@ -129,7 +159,7 @@ def _prune_wanda_blocks(model: nn.Module, density: float, residuals: list[torch.
                 h.remove()
         for name, m in linears.items():
             weight = _dense_weight(m, f"layers.{i}.{name}")
-            prune_by_score_(weight, wanda_score(weight, squares[name].sqrt()), density)
+            prune(weight, wanda_score(weight, squares[name].sqrt()))
         for r in residuals:  # the next block's inputs come from this block, pruned (updated in place)
             layer(r, step, rope)
 

@@ -1,0 +1,419 @@
+// 2:4 decode GEMV on the dense tensor cores. The GEMV is bound by streaming the weights once, so the
+// kept values are expanded to dense pairs in registers (two byte permutes per group, their selectors
+// from a 256-entry shared table indexed by a metadata byte) and fed to mma.m16n8k16 exactly as the
+// dense GEMV feeds W: 0.5625 of its bytes, the same instruction stream otherwise.
+// One block per 16-row tile (with silu_mul: 8 gate rows and their 8 up rows); its warps take
+// interleaved steps along K. A warp step is 4 chunks of 32 columns, lane (g, t) holding chunk t of
+// rows g and g + 8 (32 bytes of values and one metadata word each) and of token g's x (tokens 8..15:
+// a second mma tile). Group j of a chunk is one m16n8k16: its slots 0,1 are the lane's k slots
+// 2t, 2t+1 and its slots 2,3 the k slots 2t+8, 2t+9, for A and B alike. The next step's loads are in
+// flight while a step multiplies; the warps' partials are reduced in shared memory in a fixed order.
+// Fusions (launch.h) as in the dense GEMV: g * x rounded to the dtype feeds the mmas and the per-token
+// RMS scale is applied in the epilogue; the residual is read before the main loop and added there.
+#include "sparse24.h"
+#include "common/device_utils.cuh"
+
+namespace minfer {
+
+namespace {
+
+constexpr int kTileRows = 16;
+constexpr int kStepChunks = 4;               // chunks of one row per warp step (lanes t = 0..3)
+constexpr int kChunkPieces = 4;              // 16-byte x pieces of a chunk (8 columns each)
+constexpr int kWarps = 8;
+constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
+
+// The byte-permute selector expanding one group's kept pair (a 32-bit word: value 0 low, value 1 high)
+// into its 4 slots: low 16 bits for slots 0,1, high 16 bits for slots 2,3; a slot not kept reads zero.
+__device__ __forceinline__ uint32_t slot_selector(uint32_t nibble) {
+    const uint32_t first = nibble & 3u, second = (nibble >> 2) & 3u;
+    return kZeroSlots ^ (0x54u << (8 * first)) ^ (0x76u << (8 * second));  // 0x44 ^ 0x54 = 0x10, ^ 0x76 = 0x32
+}
+
+// Per metadata byte (two groups): {group 0 slots 0-1, slots 2-3, group 1 slots 0-1, slots 2-3}.
+__device__ __forceinline__ void fill_selector_table(uint4* table) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
+        const uint32_t lo = slot_selector(i & 15), hi = slot_selector(i >> 4);
+        table[i] = make_uint4(lo, lo >> 16, hi, hi >> 16);
+    }
+}
+
+__device__ __forceinline__ uint4 load_readonly_16B(const void* ptr) {
+    uint4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(ptr));
+    return r;
+}
+
+__device__ __forceinline__ uint32_t component(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, two per chunk, and
+// metadata words), x of token g (and g + 8) as 16-byte pieces, and the norm weight.
+struct LaneArrays {
+    const uint4* values[2];
+    const int32_t* meta[2];
+    const uint4* x[2];
+    const uint4* norm;
+    int chunks;    // metadata words per row
+    int x_pieces;  // 16-byte pieces of a row of x: cols / 8
+};
+
+// One warp step held in registers between load and multiply. `valid` is false for the lanes past a
+// row's last chunk: they feed zeros.
+template <typename T, int kTiles, bool kNorm>
+struct WarpStep {
+    uint4 w[2][2];  // [row g, row g + 8][piece]
+    uint32_t m[2];
+    uint4 xv[kTiles][kChunkPieces];
+    uint4 gv[kNorm ? kChunkPieces : 1];
+
+    __device__ __forceinline__ void load_weights(const LaneArrays& a, int chunk) {
+        const bool valid = chunk < a.chunks;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            w[r][0] = valid ? load_stream_16B(a.values[r] + 2 * chunk) : make_uint4(0, 0, 0, 0);
+            w[r][1] = valid ? load_stream_16B(a.values[r] + 2 * chunk + 1) : make_uint4(0, 0, 0, 0);
+            m[r] = valid ? __ldg(reinterpret_cast<const unsigned int*>(a.meta[r]) + chunk) : 0u;
+        }
+    }
+
+    __device__ __forceinline__ void load_x(const LaneArrays& a, int chunk) {
+#pragma unroll
+        for (int p = 0; p < kChunkPieces; ++p) {
+            const int piece = chunk * kChunkPieces + p;
+            const bool valid = piece < a.x_pieces;
+#pragma unroll
+            for (int tile = 0; tile < kTiles; ++tile)
+                xv[tile][p] = valid ? load_coherent_16B(a.x[tile] + piece) : make_uint4(0, 0, 0, 0);
+            if constexpr (kNorm) gv[p] = valid ? load_readonly_16B(a.norm + piece) : make_uint4(0, 0, 0, 0);
+        }
+    }
+
+    // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g.
+    __device__ __forceinline__ void apply_norm(float (&sum_sq)[kTiles]) {
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+#pragma unroll
+            for (int p = 0; p < kChunkPieces; ++p) {
+                auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
+                    const float2 f = pair_to_float2<T>(xw);
+                    sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
+                    xw = multiply_pairs<T>(xw, gw);
+                };
+                scale_pair(xv[tile][p].x, gv[p].x);
+                scale_pair(xv[tile][p].y, gv[p].y);
+                scale_pair(xv[tile][p].z, gv[p].z);
+                scale_pair(xv[tile][p].w, gv[p].w);
+            }
+        }
+    }
+
+    // Eight m16n8k16 per token tile, one per group, alternating two accumulators.
+    __device__ __forceinline__ void multiply(const uint4* selectors, float (&acc)[kTiles][2][4]) const {
+        uint4 sel[2][4];  // [row][metadata byte]
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) sel[r][b] = selectors[(m[r] >> (8 * b)) & 0xFFu];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t a[4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t pair = component(w[r][j / 4], j % 4);
+                const uint4& s = sel[r][j / 2];
+                a[r] = __byte_perm(pair, 0u, (j & 1) ? s.z : s.x);      // slots 0, 1
+                a[2 + r] = __byte_perm(pair, 0u, (j & 1) ? s.w : s.y);  // slots 2, 3
+            }
+#pragma unroll
+            for (int tile = 0; tile < kTiles; ++tile) {
+                const uint4& x = xv[tile][j / 2];
+                const uint32_t b0 = (j & 1) ? x.z : x.x, b1 = (j & 1) ? x.w : x.y;
+                mma_m16n8k16<T>(acc[tile][j & 1], a, b0, b1);
+            }
+        }
+    }
+};
+
+// One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
+// tiles take what they need (1 block).
+template <typename T, int kTiles, bool kNorm, bool kSiluMul>
+__global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
+    sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
+                         const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
+                         float eps, bool accumulate) {
+    __shared__ uint4 selectors[256];
+    allow_dependents_to_launch();
+    const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane_id >> 2, t = lane_id & 3;
+    const int inter = n / 2;  // kSiluMul: gate rows [0, inter), up rows [inter, n)
+    const int row = kSiluMul ? blockIdx.x * 8 + g : blockIdx.x * kTileRows + g;
+    const int rows_lo = kSiluMul ? min(row, inter - 1) : min(row, n - 1);  // rows past the end re-read the last
+    const int rows_hi = kSiluMul ? inter + min(row, inter - 1) : min(row + 8, n - 1);
+    const int64_t value_pieces = 2 * (int64_t)chunks;  // 16-byte pieces of a row of values
+    LaneArrays arrays;
+    arrays.values[0] = reinterpret_cast<const uint4*>(values) + rows_lo * value_pieces;
+    arrays.values[1] = reinterpret_cast<const uint4*>(values) + rows_hi * value_pieces;
+    arrays.meta[0] = meta + (int64_t)rows_lo * chunks;
+    arrays.meta[1] = meta + (int64_t)rows_hi * chunks;
+    arrays.x_pieces = k / 8;
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile)  // lanes past the last token read token 0: their outputs are not stored
+        arrays.x[tile] = reinterpret_cast<const uint4*>(x) + (int64_t)(g + 8 * tile < tokens ? g + 8 * tile : 0) * arrays.x_pieces;
+    arrays.norm = reinterpret_cast<const uint4*>(norm_weight);
+    arrays.chunks = chunks;
+
+    const int steps = (chunks + kStepChunks - 1) / kStepChunks;
+    auto chunk_of = [&](int step) { return step * kStepChunks + t; };
+    using Step = WarpStep<T, kTiles, kNorm>;
+    Step current;
+    if (warp < steps) current.load_weights(arrays, chunk_of(warp));
+    fill_selector_table(selectors);
+    __syncthreads();
+    wait_for_previous_kernel();
+    // The residual is read here, so its round trip overlaps the multiplies (warp 0 writes the outputs).
+    float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
+    if (!kSiluMul && accumulate && warp == 0) {
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int token = 8 * tile + 2 * t + j;
+                const int64_t lo = (int64_t)token * n + row;
+                if (token < tokens && row < n) residual[tile][j][0] = to_float(out[lo]);
+                if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
+            }
+    }
+    if (warp < steps) current.load_x(arrays, chunk_of(warp));
+
+    float acc[kTiles][2][4] = {};
+    float sum_sq[kTiles] = {};
+    for (int step = warp; step < steps; step += kWarps) {
+        Step next;
+        if (step + kWarps < steps) {
+            next.load_weights(arrays, chunk_of(step + kWarps));
+            next.load_x(arrays, chunk_of(step + kWarps));
+        }
+        if constexpr (kNorm) current.apply_norm(sum_sq);
+        current.multiply(selectors, acc);
+        current = next;
+    }
+
+    float c[kTiles][4];
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[tile][i] = acc[tile][0][i] + acc[tile][1][i];
+    __shared__ float4 partial[kWarps - 1][kTiles][32];
+    __shared__ float sum_sq_part[kNorm ? kWarps : 1][kTiles * 8];
+    if (warp > 0)
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile)
+            partial[warp - 1][tile][lane_id] = make_float4(c[tile][0], c[tile][1], c[tile][2], c[tile][3]);
+    if constexpr (kNorm) {
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+            float s = sum_sq[tile];  // the 4 lanes of row group g hold token g (+ 8 * tile)
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            if (t == 0) sum_sq_part[warp][tile * 8 + g] = s;
+        }
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int i = 0; i < kWarps - 1; ++i)
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+            const float4 p = partial[i][tile][lane_id];
+            c[tile][0] += p.x;
+            c[tile][1] += p.y;
+            c[tile][2] += p.z;
+            c[tile][3] += p.w;
+        }
+    // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1 of its tile.
+#pragma unroll
+    for (int tile = 0; tile < kTiles; ++tile)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int token = 8 * tile + 2 * t + j;
+            if (token >= tokens) continue;
+            float scale = 1.0f;
+            if constexpr (kNorm) {
+                float total = 0.0f;
+#pragma unroll
+                for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
+                scale = rsqrtf(total / k + eps);
+            }
+            if constexpr (kSiluMul) {
+                const float gate = c[tile][j] * scale, up = c[tile][2 + j] * scale;
+                if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
+                continue;
+            }
+            const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
+            if (row < n) out[lo] = from_float<T>(c[tile][j] * scale + residual[tile][j][0]);
+            if (row + 8 < n) out[hi] = from_float<T>(c[tile][2 + j] * scale + residual[tile][j][1]);
+        }
+}
+
+// Fallback for x that is not 16-byte aligned (cols % 8 != 0, offset views): one warp per output row
+// (with silu_mul: per gate row and its up row), one group per lane at a time, scalar loads.
+template <typename T>
+__global__ void sparse24_gemv_scalar_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta,
+                                            const T* __restrict__ x, const T* __restrict__ norm_weight,
+                                            T* __restrict__ out, int tokens, int n, int k, int chunks, float eps,
+                                            bool accumulate, bool silu_mul) {
+    const int lane = threadIdx.x & 31;
+    const int outputs = silu_mul ? n / 2 : n;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (row >= outputs) return;
+    const int value_cols = chunks * kSparse24ChunkCols / 2;
+    // The dense 4 columns of group `group` of row `r`.
+    auto group_weights = [&](int r, int group, float (&w)[4]) {
+        const uint32_t nibble = ((uint32_t)meta[(int64_t)r * chunks + group / 8] >> (4 * (group % 8))) & 15u;
+        w[0] = w[1] = w[2] = w[3] = 0.0f;
+        w[nibble & 3u] = to_float(values[(int64_t)r * value_cols + 2 * group]);
+        w[(nibble >> 2) & 3u] = to_float(values[(int64_t)r * value_cols + 2 * group + 1]);
+    };
+    float acc[kSparse24MaxTokens] = {}, up_acc[kSparse24MaxTokens] = {}, sum_sq[kSparse24MaxTokens] = {};
+    for (int group = lane; group * 4 < k; group += 32) {
+        float w[4], up[4] = {};
+        group_weights(row, group, w);
+        if (silu_mul) group_weights(row + outputs, group, up);
+#pragma unroll
+        for (int slot = 0; slot < 4; ++slot) {
+            const int col = group * 4 + slot;
+            if (col >= k) break;
+            const float gv = norm_weight ? to_float(norm_weight[col]) : 1.0f;
+#pragma unroll
+            for (int tok = 0; tok < kSparse24MaxTokens; ++tok) {
+                if (tok >= tokens) break;
+                float xv = to_float(x[(int64_t)tok * k + col]);
+                if (norm_weight) {
+                    sum_sq[tok] = fmaf(xv, xv, sum_sq[tok]);
+                    xv = to_float(from_float<T>(xv * gv));  // rounded as on the tensor-core path
+                }
+                acc[tok] = fmaf(w[slot], xv, acc[tok]);
+                up_acc[tok] = fmaf(up[slot], xv, up_acc[tok]);
+            }
+        }
+    }
+#pragma unroll
+    for (int tok = 0; tok < kSparse24MaxTokens; ++tok) {
+        if (tok >= tokens) break;
+        const float scale = norm_weight ? rsqrtf(warp_sum(sum_sq[tok]) / k + eps) : 1.0f;
+        const float sum = warp_sum(acc[tok]) * scale;
+        const float up = silu_mul ? warp_sum(up_acc[tok]) * scale : 0.0f;
+        const int64_t idx = (int64_t)tok * outputs + row;
+        if (lane != 0) continue;
+        if (silu_mul) out[idx] = from_float<T>(sum / (1.0f + __expf(-sum)) * up);
+        else out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
+    }
+}
+
+struct GemvArgs {
+    const void* values;
+    const int32_t* meta;
+    const void* x;
+    void* out;
+    int tokens, n, k, chunks;
+    ProjectionFusion fusion;
+    cudaStream_t stream;
+};
+
+template <typename T, int kTiles, bool kNorm, bool kSiluMul>
+void launch_mma(const GemvArgs& a) {
+    const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
+    launch_with_pdl(sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul>, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
+                    a.stream, true, static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
+                    static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
+                    a.fusion.eps, a.fusion.accumulate);
+}
+
+template <typename T, int kTiles>
+void launch_fusions(const GemvArgs& a) {
+    if (a.fusion.norm_weight)
+        return a.fusion.silu_mul ? launch_mma<T, kTiles, true, true>(a) : launch_mma<T, kTiles, true, false>(a);
+    return a.fusion.silu_mul ? launch_mma<T, kTiles, false, true>(a) : launch_mma<T, kTiles, false, false>(a);
+}
+
+template <typename T>
+void launch_typed(const GemvArgs& a) {
+    auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (a.k % 8 != 0 || !aligned16(a.x) || !aligned16(a.values) || !aligned16(a.fusion.norm_weight)) {
+        constexpr int kRowsPerBlock = 8;
+        const int outputs = a.fusion.silu_mul ? a.n / 2 : a.n;
+        sparse24_gemv_scalar_kernel<T><<<ceil_div(outputs, kRowsPerBlock), kRowsPerBlock * 32, 0, a.stream>>>(
+            static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
+            static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
+            a.fusion.eps, a.fusion.accumulate, a.fusion.silu_mul);
+        return;
+    }
+    if (a.tokens <= 8) return launch_fusions<T, 1>(a);
+    return launch_fusions<T, 2>(a);
+}
+
+// One thread per group: its kept pair expanded by the GEMV's byte permute, stored as 8 bytes when the
+// row allows, element by element otherwise.
+template <typename T>
+__global__ void sparse24_decompress_kernel(const uint32_t* __restrict__ pairs, const int32_t* __restrict__ meta,
+                                           T* __restrict__ out, int rows, int cols, int chunks) {
+    const int groups = chunks * (kSparse24ChunkCols / 4);  // per row, padding included
+    const int64_t index = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (index >= (int64_t)rows * groups) return;
+    const int row = (int)(index / groups), group = (int)(index % groups), col = group * 4;
+    if (col >= cols) return;
+    const uint32_t nibble = ((uint32_t)__ldg(meta + (int64_t)row * chunks + group / 8) >> (4 * (group % 8))) & 15u;
+    const uint32_t selector = slot_selector(nibble), pair = __ldg(pairs + index);
+    const uint32_t lo = __byte_perm(pair, 0u, selector), hi = __byte_perm(pair, 0u, selector >> 16);
+    T* dst = out + (int64_t)row * cols + col;
+    if (cols % 4 == 0 && reinterpret_cast<uintptr_t>(out) % 8 == 0) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+        return;
+    }
+    const uint32_t slots[2] = {lo, hi};
+    for (int s = 0; s < 4 && col + s < cols; ++s) {
+        const uint16_t bits = (uint16_t)(slots[s / 2] >> (16 * (s % 2)));
+        memcpy(dst + s, &bits, sizeof(bits));
+    }
+}
+
+}  // namespace
+
+void launch_sparse24_gemv(const void* values, const int32_t* meta, const void* x, void* out, int64_t tokens,
+                          int64_t rows, int64_t cols, DType dtype, const ProjectionFusion& fusion,
+                          cudaStream_t stream) {
+    const int chunks = (int)((cols + kSparse24ChunkCols - 1) / kSparse24ChunkCols);
+    const GemvArgs args{values, meta, x, out, (int)tokens, (int)rows, (int)cols, chunks, fusion, stream};
+    switch (dtype) {
+        case DType::kFloat16: launch_typed<half>(args); break;
+        case DType::kBFloat16: launch_typed<__nv_bfloat16>(args); break;
+        case DType::kFloat32: break;  // rejected by the binding: the tensor cores take 16-bit inputs
+    }
+}
+
+void launch_sparse24_decompress(const void* values, const int32_t* meta, void* out, int64_t rows, int64_t cols,
+                                DType dtype, cudaStream_t stream) {
+    const int chunks = (int)((cols + kSparse24ChunkCols - 1) / kSparse24ChunkCols);
+    const int64_t threads = rows * chunks * (kSparse24ChunkCols / 4);
+    if (threads == 0) return;
+    constexpr int kBlock = 256;
+    const unsigned blocks = (unsigned)((threads + kBlock - 1) / kBlock);
+    const auto* pairs = static_cast<const uint32_t*>(values);
+    switch (dtype) {
+        case DType::kFloat16:
+            sparse24_decompress_kernel<half><<<blocks, kBlock, 0, stream>>>(pairs, meta, static_cast<half*>(out),
+                                                                            (int)rows, (int)cols, chunks);
+            break;
+        case DType::kBFloat16:
+            sparse24_decompress_kernel<__nv_bfloat16><<<blocks, kBlock, 0, stream>>>(
+                pairs, meta, static_cast<__nv_bfloat16*>(out), (int)rows, (int)cols, chunks);
+            break;
+        case DType::kFloat32: break;  // rejected by the binding
+    }
+}
+
+}  // namespace minfer

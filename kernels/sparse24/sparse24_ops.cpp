@@ -1,0 +1,91 @@
+// 2:4 sparse matrices (sparse24.h): the decode GEMV and decompression.
+// Each binding checks the tensors and forwards raw pointers to the framework-free launchers.
+#include "common/torch_binding.h"
+#include "sparse24/sparse24.h"
+
+namespace {
+
+using namespace minfer::binding;
+
+// values [rows, C32 / 2] fp16/bf16 and meta [rows, C32 / 32] int32 for a matrix of `cols` columns.
+void check_sparse24(const at::Tensor& values, const at::Tensor& meta, int64_t cols, const char* op) {
+    check_cuda_contiguous(values, "values");
+    check_cuda_contiguous(meta, "meta");
+    MINFER_CHECK(values.dim() == 2 && meta.dim() == 2 && meta.size(0) == values.size(0), op,
+                 ": values [rows, C32 / 2] and meta [rows, C32 / 32] must share their rows");
+    MINFER_CHECK(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16, op,
+                 ": values must be float16 or bfloat16, got ", values.scalar_type());
+    MINFER_CHECK(meta.scalar_type() == at::kInt, op, ": meta must be int32");
+    const int64_t chunks = (cols + minfer::kSparse24ChunkCols - 1) / minfer::kSparse24ChunkCols;
+    MINFER_CHECK(cols >= 1 && meta.size(1) == chunks && values.size(1) == chunks * minfer::kSparse24ChunkCols / 2,
+                 op, ": a matrix of ", cols, " columns needs meta [rows, ", chunks, "] and values [rows, ",
+                 chunks * minfer::kSparse24ChunkCols / 2, "]");
+    MINFER_CHECK(values.numel() < INT32_MAX && cols <= INT32_MAX, op, ": the matrix is too large for int32 indices");
+    MINFER_CHECK(meta.device() == values.device(), op, ": tensors on different devices");
+}
+
+void sparse24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, at::Tensor& out,
+                   const std::optional<at::Tensor>& norm_weight, double eps, bool accumulate, bool silu_mul) {
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.sparse24_gemv: expects x [T, K] and out [T, N]");
+    const int64_t tokens = x.size(0), k = x.size(1), n = values.size(0);
+    check_sparse24(values, meta, k, "minfer.sparse24_gemv");
+    MINFER_CHECK(tokens >= 1 && tokens <= minfer::kSparse24MaxTokens, "minfer.sparse24_gemv: takes 1..",
+                 minfer::kSparse24MaxTokens, " tokens, got ", tokens);
+    MINFER_CHECK(n >= 1, "minfer.sparse24_gemv: the matrix has no rows");
+    MINFER_CHECK(!silu_mul || (n % 2 == 0 && !accumulate),
+                 "minfer.sparse24_gemv: silu_mul needs [gate; up] with an even N, and no accumulate");
+    const int64_t outputs = silu_mul ? n / 2 : n;
+    MINFER_CHECK(out.size(0) == tokens && out.size(1) == outputs, "minfer.sparse24_gemv: out must be [", tokens,
+                 ", ", outputs, "]");
+    MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
+                 "minfer.sparse24_gemv: x, values and out must share one dtype");
+    MINFER_CHECK(x.device() == values.device() && out.device() == values.device(),
+                 "minfer.sparse24_gemv: tensors on different devices");
+    minfer::ProjectionFusion fusion;
+    if (norm_weight.has_value()) {
+        check_cuda_contiguous(*norm_weight, "norm_weight");
+        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == k, "minfer.sparse24_gemv: norm_weight must be [",
+                     k, "]");
+        MINFER_CHECK(norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(),
+                     "minfer.sparse24_gemv: norm_weight must have x's dtype and device");
+        MINFER_CHECK(eps >= 0.0, "minfer.sparse24_gemv: eps must be >= 0");
+        fusion.norm_weight = norm_weight->data_ptr();
+        fusion.eps = (float)eps;
+    }
+    fusion.accumulate = accumulate;
+    fusion.silu_mul = silu_mul;
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No,
+                 "minfer.sparse24_gemv: out must not overlap x (other blocks still read x while one writes out)");
+    const c10::cuda::CUDAGuard guard(values.device());
+    minfer::launch_sparse24_gemv(values.data_ptr(), meta.data_ptr<int32_t>(), x.data_ptr(), out.data_ptr(), tokens, n,
+                                 k, dtype_of(values), fusion, current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void sparse24_decompress(const at::Tensor& values, const at::Tensor& meta, at::Tensor& out) {
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == values.size(0),
+                 "minfer.sparse24_decompress: out must be [rows, cols] with the values' rows");
+    check_sparse24(values, meta, out.size(1), "minfer.sparse24_decompress");
+    MINFER_CHECK(out.scalar_type() == values.scalar_type() && out.device() == values.device(),
+                 "minfer.sparse24_decompress: out must have the values' dtype and device");
+    const c10::cuda::CUDAGuard guard(values.device());
+    minfer::launch_sparse24_decompress(values.data_ptr(), meta.data_ptr<int32_t>(), out.data_ptr(), out.size(0),
+                                       out.size(1), dtype_of(values), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minfer, m) {
+    m.def("sparse24_gemv(Tensor x, Tensor values, Tensor meta, Tensor(a!) out, Tensor? norm_weight=None, "
+          "float eps=0.0, bool accumulate=False, bool silu_mul=False) -> ()");
+    m.def("sparse24_decompress(Tensor values, Tensor meta, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
+    m.impl("sparse24_gemv", &sparse24_gemv);
+    m.impl("sparse24_decompress", &sparse24_decompress);
+}
