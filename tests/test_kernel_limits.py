@@ -35,6 +35,8 @@ def constants(relative_path: str) -> dict[str, int]:
     (ops.MACKO_FUSED_MAX_COLS, "macko/macko.h", ["kMackoFusedMaxCols"]),
     (macko._ORIGIN_BIAS, "macko/macko_tensor_core_spmm.cu", ["kOriginBias"]),
     (ops.BLOCKSPARSE_TILE, "blocksparse_attention/blocksparse_attention.h", ["kBlocksparseTile"]),
+    (ops.SPARSE24_CHUNK_COLS, "sparse24/sparse24.h", ["kSparse24ChunkCols"]),
+    (ops.SPARSE24_GEMV_MAX_TOKENS, "sparse24/sparse24.h", ["kSparse24MaxTokens"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_python_limit_matches_the_kernel_source(python_value, source, names):
     found = constants(source)

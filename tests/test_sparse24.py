@@ -1,0 +1,196 @@
+"""2:4 sparse weights: the layout byte for byte, refusals, N:M pruning, and the GEMV and decompression
+kernels against float64 at odd sizes, fused against unfused, opcheck and graph capture."""
+
+import pytest
+import torch
+
+from minfer import ops
+from minfer.errors import FormatError, MinferError
+from minfer.formats import FORMATS
+from minfer.sparsity import prune_to_structure_
+from tests.conftest import requires_cuda
+from tests.numerics import fused_linear_reference64, rel_error
+
+Sparse24 = FORMATS["2:4"]
+DTYPES = [torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def matrix_24(rows: int, cols: int, dtype=torch.float16, device="cpu", seed: int = 0) -> torch.Tensor:
+    """A random matrix pruned to its 2 largest of every 4 columns, scaled to unit-variance products."""
+    generator = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=generator) / (cols / 2) ** 0.5
+    return prune_to_structure_(w, w.abs(), (2, 4)).to(dtype=dtype, device=device)
+
+
+def test_worked_example_byte_for_byte():
+    """docs/FORMATS.md's example: one row of 8 columns, padded to one 32-column chunk."""
+    row = torch.tensor([[0, 7, 0, 3, 1, 0, 0, 0]], dtype=torch.float16)
+    fmt = Sparse24.from_dense(row)
+    assert fmt.values.shape == (1, 16) and fmt.meta.shape == (1, 1)
+    # group 0 keeps slots 1, 3; group 1 its nonzero slot 0 and the lowest zero slot 1; padding groups 0, 1
+    assert fmt.values[0, :4].tolist() == [7, 3, 1, 0] and not fmt.values[0, 4:].any()
+    assert fmt.meta.item() == 0x4444_444D  # nibbles, group 0 lowest: 0b1101 (slots 1, 3), then 0b0100 (0, 1)
+    assert fmt.nbytes == 16 * 2 + 4 and torch.equal(fmt.to_dense(), row)
+
+
+def test_metadata_round_trip_at_odd_sizes():
+    for rows, cols in ((1, 1), (3, 5), (17, 33), (70, 203), (5, 64)):
+        w = matrix_24(rows, cols, torch.float32, seed=cols)
+        fmt = Sparse24.from_dense(w)
+        assert torch.equal(fmt.to_dense(), w)
+        rebuilt = Sparse24.from_tensors(fmt.tensors(), fmt.shape, fmt.options())
+        rebuilt.check()
+        assert torch.equal(rebuilt.to_dense(), w)
+
+
+def test_refuses_a_matrix_that_is_not_2_4_naming_the_first_bad_group():
+    w = matrix_24(6, 40)
+    w[4, 9:12] = 1.0  # columns 8..11 of row 4 now hold 3 or 4 nonzeros
+    w[5, 0:4] = 1.0
+    with pytest.raises(FormatError, match="row 4, columns 8..11"):
+        Sparse24.from_dense(w)
+    tail = torch.zeros(1, 6, dtype=torch.float16)
+    tail[0, 3:6] = 1.0  # the last, short group 4..5 holds 2: fine; group 0..3 holds 1
+    assert torch.equal(Sparse24.from_dense(tail).to_dense(), tail)
+    tail[0, 1:3] = 1.0
+    with pytest.raises(FormatError, match="row 0, columns 0..3 hold 3"):
+        Sparse24.from_dense(tail)
+
+
+def test_check_refuses_bad_metadata_and_nonzero_padding():
+    fmt = Sparse24.from_dense(matrix_24(3, 40))
+    bad = fmt.meta.clone()
+    bad[1, 0] = bad[1, 0] & ~0xF0 | 0x50  # group 1 of row 1: slots 1, 1
+    with pytest.raises(FormatError, match="row 1, group 1"):
+        Sparse24.from_tensors({"values": fmt.values, "meta": bad}, fmt.shape, {}).check()
+    values = fmt.values.clone()
+    values[2, -1] = 1.0  # a kept value in the padding past column 40
+    with pytest.raises(FormatError, match="past the matrix's 40 columns"):
+        Sparse24.from_tensors({"values": values, "meta": fmt.meta}, fmt.shape, {}).check()
+    with pytest.raises(FormatError, match="int32"):
+        Sparse24.from_tensors({"values": fmt.values, "meta": fmt.meta.long()}, fmt.shape, {})
+
+
+def test_pruning_to_n_m_keeps_the_largest_of_each_group():
+    w = torch.tensor([[1.0, -4.0, 3.0, 2.0, 5.0, 0.5, -6.0, 7.0, 1.0, 2.0, 3.0]])
+    pruned = prune_to_structure_(w.clone(), w.abs(), (2, 4))
+    assert pruned.tolist() == [[0.0, -4.0, 3.0, 0.0, 0.0, 0.0, -6.0, 7.0, 0.0, 2.0, 3.0]]
+    scores = torch.arange(11.0)[None].flip(1)  # a score other than |w|: the first of each group win
+    assert prune_to_structure_(w.clone(), scores, (1, 4)).ne(0).sum() == 3
+    with pytest.raises(MinferError, match="0 < N < M"):
+        prune_to_structure_(w.clone(), w.abs(), (4, 4))
+
+
+def test_gemv_reference_path_on_cpu_with_fusions():
+    w = matrix_24(10, 44)
+    fmt = Sparse24.from_dense(w)
+    x = torch.randn(3, 44, dtype=torch.float16)
+    g = torch.rand(44, dtype=torch.float16) + 0.5
+    residual = torch.randn(3, 10, dtype=torch.float16)
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, residual.clone(), norm_weight=g, eps=1e-5, accumulate=True)
+    assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, residual)) < 2e-3
+    with pytest.raises(FormatError, match="1..16 tokens"):
+        ops.sparse24_gemv(torch.randn(17, 44, dtype=torch.float16), fmt.values, fmt.meta)
+    with pytest.raises(FormatError, match="K=100"):
+        ops.sparse24_gemv(torch.randn(1, 100, dtype=torch.float16), fmt.values, fmt.meta)
+
+
+# (N, K): N off the 16-row tile; K with a partial last 4-chunk step, steps not a multiple of the 8 warps,
+# a chunk past K (K % 32 != 0); K % 8 != 0 runs the scalar fallback; the Llama-2-7B down projection.
+SHAPES = [(1, 8), (70, 200), (77, 1000), (129, 4096), (300, 4104), (33, 1001), (4096, 11008)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 13, 16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_matches_float64(n, k, tokens, dtype):
+    w = matrix_24(n, k, dtype, "cuda", seed=n + k)
+    fmt = Sparse24.from_dense(w)
+    x = torch.randn(tokens, k, dtype=dtype, device="cuda")
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta)
+    assert rel_error(out, x.double() @ w.double().T) < TOLERANCE[dtype]
+
+
+@requires_cuda
+@pytest.mark.memcheck
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 11])
+@pytest.mark.parametrize("n,k", [(70, 200), (34, 203)])
+@pytest.mark.parametrize("fusion", [dict(norm=True), dict(residual=True), dict(norm=True, silu_mul=True),
+                                    dict(norm=True, residual=True), dict(silu_mul=True)], ids=lambda f: "+".join(f))
+def test_fused_epilogues_match_the_unfused_path(n, k, tokens, dtype, fusion):
+    w = matrix_24(n, k, dtype, "cuda", seed=3)
+    fmt = Sparse24.from_dense(w)
+    x = torch.randn(tokens, k, dtype=dtype, device="cuda")
+    g = (torch.rand(k, device="cuda") + 0.5).to(dtype) if fusion.get("norm") else None
+    silu_mul = fusion.get("silu_mul", False)
+    residual = torch.randn(tokens, n, dtype=dtype, device="cuda") if fusion.get("residual") else None
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, None if residual is None else residual.clone(), norm_weight=g,
+                            eps=1e-5, accumulate=residual is not None, silu_mul=silu_mul)
+    unfused = ops.rms_norm(x, g, 1e-5) if g is not None else x
+    unfused = unfused.double() @ w.double().T
+    if silu_mul:
+        gate, up = unfused.chunk(2, dim=-1)
+        unfused = torch.nn.functional.silu(gate) * up
+    if residual is not None:
+        unfused = unfused + residual.double()
+    expected = fused_linear_reference64(x, w, g, 1e-5, residual, silu_mul, round_scaled_x=True)
+    assert rel_error(out, expected) < 2 * TOLERANCE[dtype]
+    assert rel_error(out, unfused) < 4 * TOLERANCE[dtype]
+
+
+@requires_cuda
+@pytest.mark.memcheck
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k", [(70, 203), (129, 4096), (5, 36)])
+def test_decompress_kernel_matches_the_reference(n, k, dtype):
+    fmt = Sparse24.from_dense(matrix_24(n, k, dtype, "cuda", seed=k))
+    expected = ops.sparse24_decompress_reference(fmt.values, fmt.meta, k)
+    assert torch.equal(ops.sparse24_decompress(fmt.values, fmt.meta, k), expected)
+    wide = torch.full((n, k + 3), float("nan"), dtype=dtype, device="cuda")
+    ops.sparse24_decompress(fmt.values, fmt.meta, k, out=wide[:, :k].contiguous())  # a copy: stays NaN
+    assert wide.isnan().all()
+
+
+@requires_cuda
+@pytest.mark.racecheck
+def test_sublayer_chain_in_cuda_graph():
+    """The o projection adds into the residual; the next qkv projection reads it with the norm fused, in one
+    graph (the PDL wait must order them)."""
+    n, k = 96, 256
+    first = Sparse24.from_dense(matrix_24(k, n, device="cuda", seed=1))
+    second = Sparse24.from_dense(matrix_24(n, k, device="cuda", seed=2))
+    x = torch.randn(2, n, dtype=torch.float16, device="cuda")
+    residual = torch.randn(2, k, dtype=torch.float16, device="cuda")
+    g = torch.rand(k, dtype=torch.float16, device="cuda") + 0.5
+    out = torch.empty(2, n, dtype=torch.float16, device="cuda")
+    start = residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.sparse24_gemv(x, first.values, first.meta, residual, accumulate=True)
+        ops.sparse24_gemv(residual, second.values, second.meta, out, norm_weight=g, eps=1e-5)
+    residual.copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    added = fused_linear_reference64(x, first.to_dense(), None, 0.0, start)
+    assert rel_error(residual, added) < 2e-3
+    assert rel_error(out, fused_linear_reference64(residual, second.to_dense(), g, 1e-5, None,
+                                                   round_scaled_x=True)) < 4e-3
+
+
+@requires_cuda
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("tokens", [1, 12])
+def test_opcheck(tokens):
+    fmt = Sparse24.from_dense(matrix_24(64, 96, device="cuda"))
+    x = torch.randn(tokens, 96, dtype=torch.float16, device="cuda")
+    g = torch.rand(96, dtype=torch.float16, device="cuda") + 0.5
+    out = torch.empty(tokens, 64, dtype=torch.float16, device="cuda")
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default, (x, fmt.values, fmt.meta, out))
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default, (x, fmt.values, fmt.meta, out, g, 1e-5, True))
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default,
+                          (x, fmt.values, fmt.meta, out[:, :32].contiguous(), g, 1e-5, False, True))
+    dense = torch.empty(64, 96, dtype=torch.float16, device="cuda")
+    torch.library.opcheck(torch.ops.minfer.sparse24_decompress.default, (fmt.values, fmt.meta, dense))
