@@ -7,6 +7,7 @@ Examples:
   python apps/benchmark.py --suite e2e --model llama2-7b --prompt-tokens 512 --new-tokens 256
   python apps/benchmark.py --suite macko-e2e --densities 1.0,0.5,0.1 --plot out/macko.png
   python apps/benchmark.py --suite macko --densities 0.3,0.5 --shapes 12288x4096 --json out/macko.json
+  python apps/benchmark.py --suite sparse24 --json out/sparse24.json
   python apps/benchmark.py --suite attention --lengths 8192,16384 --json out/attn.json --plot out/attn.png
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 
 from minfer import ops  # noqa: E402
 from minfer.cli import ArgumentParser, run_main  # noqa: E402
-from minfer.bench import attention_suite, e2e_suite, kernel_suite, macko_suite, report  # noqa: E402
+from minfer.bench import attention_suite, e2e_suite, kernel_suite, macko_suite, report, sparse24_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
@@ -47,16 +48,18 @@ from minfer.model import EMBEDDING_PLACES  # noqa: E402
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Flags that apply to some suites only default to None (see FLAG_SUITES), then to these.
 DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens": 256, "embedding": "host"}
-E2E_SUITES = ("e2e", "macko-e2e", "all")
+E2E_SUITES = ("e2e", "macko-e2e", "sparse24", "all")
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__)
-    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "attention", "all"),
+    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "sparse24", "attention", "all"),
                         default="all",
                         help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
                              "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
-                             "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep)")
+                             "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep); sparse24 = "
+                             "the 2:4 study: GEMV and prefill against cuBLAS, minfer dense and cuSPARSELt, then "
+                             "decode beside dense and MACKO d=0.5 (also `python -m minfer.bench.sparse24_suite`)")
     parser.add_argument("--ops", type=csv_list, default=None, metavar="A,B",
                         help=f"kernel ops to run (default: all of {', '.join(kernel_suite.registered_ops())})")
     parser.add_argument("--shapes", type=csv_list, default=None, metavar="NxK,...",
@@ -93,7 +96,7 @@ def build_parser() -> ArgumentParser:
 FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
                "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "attention", "all"),
                "lengths": ("attention",),
-               "reps": ("kernels", "macko", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
+               "reps": ("kernels", "macko", "sparse24", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
                "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}
 
 
@@ -158,13 +161,15 @@ def run(args: argparse.Namespace) -> int:
     e2e_rows: list[dict] = []
     macko_rows: list[dict] = []
     macko_kernel_rows: dict[str, list[dict]] = {}
+    sparse24_rows: dict[str, list[dict]] = {}
     attention_rows: list[dict] = []
     attention_fit: dict = {}
 
     def write_json() -> None:  # after every suite, so a run cut short keeps what it measured
         if args.json:
             report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
-                                               "macko": macko_kernel_rows, "attention": attention_rows,
+                                               "macko": macko_kernel_rows, "sparse24": sparse24_rows,
+                                               "attention": attention_rows,
                                                "attention_fit": attention_fit})
 
     if args.suite in ("kernels", "all"):
@@ -188,6 +193,17 @@ def run(args: argparse.Namespace) -> int:
             on_row=lambda section, row: print(f"  macko {section} {row['shape']} d{row['density']}: "
                                               f"{row['minfer_ms']:.4f} ms", flush=True))
         env["copy_gbs"] = round(copy_gbs, 1)
+        write_json()
+    if args.suite == "sparse24":
+        def on_row(section, row):
+            print(f"  sparse24 {section} {row['shape']} T{row['tokens']}: {row['minfer_ms']:.4f} ms", flush=True)
+
+        copy_gbs, sparse24_rows = sparse24_suite.run(("decode", "prefill"), dtype=dtype, replays=args.reps,
+                                                     on_row=on_row)
+        env["copy_gbs"] = round(copy_gbs, 1)
+        write_json()
+        sparse24_rows["e2e"] = sparse24_suite.e2e_rows(args.model, args.prompt_tokens, args.new_tokens, dtype,
+                                                       copy_gbs, on_row, args.embedding)
         write_json()
     if args.suite == "attention":
         ceilings, attention_rows, attention_fit = attention_suite.run(
@@ -215,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
                            e2e_suite.COLUMNS, e2e_rows)
     for section, rows in macko_kernel_rows.items():
         report.print_table(f"MACKO {section} ({env.get('device')}, {args.dtype})", macko_suite.COLUMNS[section], rows)
+    for section, rows in sparse24_rows.items():
+        report.print_table(f"2:4 {section} ({env.get('device')}, {args.dtype})", sparse24_suite.COLUMNS[section], rows)
     if macko_rows:
         report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1, "
                            f"embedding on the {args.embedding}", macko_suite.COLUMNS["e2e"], macko_rows)
