@@ -319,6 +319,21 @@ def test_prune_compress_save_and_reload(local_checkpoint, tmp_path):
         assert {path: path.stat().st_mtime_ns for path in source.iterdir()} == files  # nothing written
 
 
+def test_structured_format_prunes_itself_and_reloads(local_checkpoint, tmp_path):
+    """--sparse 2:4 prunes to 2 of every 4 weights (wanda with --prune wanda) without --density, saves and
+    reloads as it was; random weights need no --density either, and --density is refused."""
+    folder = tmp_path / "two-four"
+    first = sparse_json("--model", str(local_checkpoint), "--sparse", "2:4", "--prune", "wanda", "--calib-samples",
+                        "2", "--calib-seq-len", "16", "--save-compressed", str(folder))
+    assert first["sparse"] == "2:4" and first["sparsity"]["density"] == 0.5
+    assert "pruning the projections to 2:4 (wanda)" in first["stderr"]
+    again = sparse_json("--model", str(folder))
+    assert again["generated_ids"] == first["generated_ids"] and again["sparse"] == "2:4"
+    assert sparse_json("--weights", "random", "--sparse", "2:4")["sparse"] == "2:4"
+    assert_input_error(cli("--device", "cpu", "--sparse", "2:4", "--density", "0.5"), "--sparse 2:4",
+                       "drop --density")
+
+
 def test_save_compressed_refuses_a_folder_holding_another_checkpoint(local_checkpoint, tmp_path):
     """A non-empty folder is written only when an earlier compressed save made it: another
     checkpoint's files (here an HF one, also with --weights random) are never overwritten."""
