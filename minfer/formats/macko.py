@@ -95,6 +95,21 @@ PREFILL_SCRATCH_ELEMENTS = 32 * 1024 * 1024
 ROW_ALIGN = 128  # rows
 
 
+def prefill_row_blocks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """The [first, last) row blocks a prefill decompresses one at a time: at most PREFILL_SCRATCH_ELEMENTS
+    weights each, about equal (no small last one), starting on whole ROW_ALIGN steps when there are several,
+    so the matmuls' output column slices stay aligned."""
+    if rows == 0:
+        return []
+    most = max(1, PREFILL_SCRATCH_ELEMENTS // max(cols, 1))  # rows that fit the scratch
+    if most >= ROW_ALIGN:
+        most -= most % ROW_ALIGN
+    block = -(-rows // -(-rows // most))
+    if block < rows and most >= ROW_ALIGN:
+        block = min(most, -(-block // ROW_ALIGN) * ROW_ALIGN)
+    return [(first, min(rows, first + block)) for first in range(0, rows, block)]
+
+
 def release_scratch() -> None:
     """Free the decompression buffers (the next prefill allocates them again)."""
     _scratch.clear()
@@ -221,16 +236,7 @@ class MackoWeight(WeightFormat):
         multiply it on tensor cores, so the scratch stays at PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.out_features, self.in_features
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
-        if rows == 0:
-            return out
-        most = max(1, PREFILL_SCRATCH_ELEMENTS // max(cols, 1))  # rows that fit the scratch
-        if most >= ROW_ALIGN:
-            most -= most % ROW_ALIGN
-        block = -(-rows // -(-rows // most))  # about equal blocks, so no small last one
-        if block < rows and most >= ROW_ALIGN:  # starting on whole row steps: the matmuls' outputs stay aligned
-            block = min(most, -(-block // ROW_ALIGN) * ROW_ALIGN)
-        for first in range(0, rows, block):
-            last = min(rows, first + block)
+        for first, last in prefill_row_blocks(rows, cols):
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)
             ops.macko_decompress(self.values, self.deltas, self.row_ptr[first:last + 1], out=weight)
             torch.mm(flat, weight.T, out=out[:, first:last])

@@ -15,7 +15,7 @@ import torch
 from .. import ops
 from ..errors import FormatError
 from .base import WeightFormat, WeightStats, expect_tensors, register
-from .macko import PREFILL_SCRATCH_ELEMENTS, scratch_matrix
+from .macko import prefill_row_blocks, scratch_matrix
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels take the 16-bit ones
 BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
@@ -117,14 +117,11 @@ class Sparse24Weight(WeightFormat):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
-        """Long inputs: decompress a block of rows at a time into the shared scratch buffer and multiply
-        it with cuBLAS, so the scratch stays at PREFILL_SCRATCH_ELEMENTS."""
+        """Long inputs: decompress a block of rows at a time into MACKO's scratch buffer and multiply it
+        with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.shape
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
-        block = max(1, min(rows, PREFILL_SCRATCH_ELEMENTS // max(cols, 1)))
-        block = -(-rows // -(-rows // block))  # about equal blocks, so no small last one
-        for first in range(0, rows, block):
-            last = min(rows, first + block)
+        for first, last in prefill_row_blocks(rows, cols):
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)
             ops.sparse24_decompress(self.values[first:last], self.meta[first:last], cols, out=weight)
             torch.mm(flat, weight.T, out=out[:, first:last])
