@@ -21,7 +21,6 @@ constexpr int kTileRows = 16;
 constexpr int kStepChunks = 4;               // chunks of one row per warp step (lanes t = 0..3)
 constexpr int kChunkPieces = 4;              // 16-byte x pieces of a chunk (8 columns each)
 constexpr int kWarps = 8;
-constexpr int kBatch = 2;                    // warp steps per load batch
 constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
 
 // The byte-permute selector expanding one group's kept pair (a 32-bit word: value 0 low, value 1 high)
@@ -141,10 +140,10 @@ __device__ __forceinline__ void multiply_step(const uint4 (&w)[2][2], const uint
     }
 }
 
-// One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
-// tiles take what they need (1 block).
+// Held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight: with two token tiles
+// (9-16 tokens) a batch is one step, whose x takes the registers of the second.
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
+__global__ void __launch_bounds__(kWarps * 32, 2)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
                          float eps, bool accumulate) {
@@ -171,6 +170,7 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
 
     // A warp takes steps warp, warp + kWarps, ... in batches of kBatch; the next batch's weights are loaded
     // while one multiplies, so up to 2 * kBatch steps of weights are in flight per warp.
+    constexpr int kBatch = kTiles == 1 ? 2 : 1;  // warp steps per load batch
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
     constexpr int kBatchStride = kBatch * kWarps;
     StepWeights<kBatch> current;
