@@ -61,35 +61,26 @@ struct LaneArrays {
     int x_pieces;  // 16-byte pieces of a row of x: cols / 8
 };
 
-// The weights of kSteps warp steps, in registers from their load (a batch ahead) to their multiply.
-// `valid` is false for the lanes past a row's last chunk: they feed zeros.
-template <int kSteps>
-struct StepWeights {
-    uint4 w[kSteps][2][2];  // [step][row g, row g + 8][piece]
-    uint32_t m[kSteps][2];
+// One warp step held in registers between load and multiply. `valid` is false for the lanes past a
+// row's last chunk: they feed zeros.
+template <typename T, int kTiles, bool kNorm>
+struct WarpStep {
+    uint4 w[2][2];  // [row g, row g + 8][piece]
+    uint32_t m[2];
+    uint4 xv[kTiles][kChunkPieces];
+    uint4 gv[kNorm ? kChunkPieces : 1];
 
-    __device__ __forceinline__ void load(const LaneArrays& a, int step, int stride) {
+    __device__ __forceinline__ void load_weights(const LaneArrays& a, int chunk) {
+        const bool valid = chunk < a.chunks;
 #pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-            const int chunk = (step + s * stride) * kStepChunks + (threadIdx.x & 3);
-            const bool valid = chunk < a.chunks;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                w[s][r][0] = valid ? load_stream_16B(a.values[r] + 2 * chunk) : make_uint4(0, 0, 0, 0);
-                w[s][r][1] = valid ? load_stream_16B(a.values[r] + 2 * chunk + 1) : make_uint4(0, 0, 0, 0);
-                m[s][r] = valid ? __ldg(reinterpret_cast<const unsigned int*>(a.meta[r]) + chunk) : 0u;
-            }
+        for (int r = 0; r < 2; ++r) {
+            w[r][0] = valid ? load_stream_16B(a.values[r] + 2 * chunk) : make_uint4(0, 0, 0, 0);
+            w[r][1] = valid ? load_stream_16B(a.values[r] + 2 * chunk + 1) : make_uint4(0, 0, 0, 0);
+            m[r] = valid ? __ldg(reinterpret_cast<const unsigned int*>(a.meta[r]) + chunk) : 0u;
         }
     }
-};
 
-// x of one step (token g, and g + 8 with two tiles), and the norm weight's matching pieces; loaded right
-// before the step's multiply: every block of the SM reads the same x, so it mostly hits L1.
-template <typename T, int kTiles, bool kNorm>
-struct StepX {
-    uint4 xv[kTiles][kChunkPieces];
-
-    __device__ __forceinline__ void load(const LaneArrays& a, int chunk, float (&sum_sq)[kTiles]) {
+    __device__ __forceinline__ void load_x(const LaneArrays& a, int chunk) {
 #pragma unroll
         for (int p = 0; p < kChunkPieces; ++p) {
             const int piece = chunk * kChunkPieces + p;
@@ -97,53 +88,60 @@ struct StepX {
 #pragma unroll
             for (int tile = 0; tile < kTiles; ++tile)
                 xv[tile][p] = valid ? load_coherent_16B(a.x[tile] + piece) : make_uint4(0, 0, 0, 0);
-            if constexpr (kNorm) {  // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g
-                const uint4 g = valid ? load_readonly_16B(a.norm + piece) : make_uint4(0, 0, 0, 0);
+            if constexpr (kNorm) gv[p] = valid ? load_readonly_16B(a.norm + piece) : make_uint4(0, 0, 0, 0);
+        }
+    }
+
+    // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g.
+    __device__ __forceinline__ void apply_norm(float (&sum_sq)[kTiles]) {
 #pragma unroll
-                for (int tile = 0; tile < kTiles; ++tile) {
-                    auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
-                        const float2 f = pair_to_float2<T>(xw);
-                        sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
-                        xw = multiply_pairs<T>(xw, gw);
-                    };
-                    scale_pair(xv[tile][p].x, g.x);
-                    scale_pair(xv[tile][p].y, g.y);
-                    scale_pair(xv[tile][p].z, g.z);
-                    scale_pair(xv[tile][p].w, g.w);
-                }
+        for (int tile = 0; tile < kTiles; ++tile) {
+#pragma unroll
+            for (int p = 0; p < kChunkPieces; ++p) {
+                auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
+                    const float2 f = pair_to_float2<T>(xw);
+                    sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
+                    xw = multiply_pairs<T>(xw, gw);
+                };
+                scale_pair(xv[tile][p].x, gv[p].x);
+                scale_pair(xv[tile][p].y, gv[p].y);
+                scale_pair(xv[tile][p].z, gv[p].z);
+                scale_pair(xv[tile][p].w, gv[p].w);
+            }
+        }
+    }
+
+    // Eight m16n8k16 per token tile, one per group, alternating two accumulators.
+    __device__ __forceinline__ void multiply(const uint4* selectors, float (&acc)[kTiles][2][4]) const {
+        uint4 sel[2][4];  // [row][metadata byte]
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) sel[r][b] = selectors[(m[r] >> (8 * b)) & 0xFFu];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint32_t a[4];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint32_t pair = component(w[r][j / 4], j % 4);
+                const uint4& s = sel[r][j / 2];
+                a[r] = __byte_perm(pair, 0u, (j & 1) ? s.z : s.x);      // slots 0, 1
+                a[2 + r] = __byte_perm(pair, 0u, (j & 1) ? s.w : s.y);  // slots 2, 3
+            }
+#pragma unroll
+            for (int tile = 0; tile < kTiles; ++tile) {
+                const uint4& x = xv[tile][j / 2];
+                const uint32_t b0 = (j & 1) ? x.z : x.x, b1 = (j & 1) ? x.w : x.y;
+                mma_m16n8k16<T>(acc[tile][j & 1], a, b0, b1);
             }
         }
     }
 };
 
-// One step's eight m16n8k16 per token tile, one per group, alternating two accumulators.
-template <typename T, int kTiles>
-__device__ __forceinline__ void multiply_step(const uint4 (&w)[2][2], const uint32_t (&m)[2],
-                                              const uint4 (&xv)[kTiles][kChunkPieces], const uint4* selectors,
-                                              float (&acc)[kTiles][2][4]) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        uint32_t a[4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const uint32_t pair = component(w[r][j / 4], j % 4);
-            const uint4 s = selectors[(m[r] >> (8 * (j / 2))) & 0xFFu];
-            a[r] = __byte_perm(pair, 0u, (j & 1) ? s.z : s.x);      // slots 0, 1
-            a[2 + r] = __byte_perm(pair, 0u, (j & 1) ? s.w : s.y);  // slots 2, 3
-        }
-#pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile) {
-            const uint4& x = xv[tile][j / 2];
-            const uint32_t b0 = (j & 1) ? x.z : x.x, b1 = (j & 1) ? x.w : x.y;
-            mma_m16n8k16<T>(acc[tile][j & 1], a, b0, b1);
-        }
-    }
-}
-
-// Held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight: with two token tiles
-// (9-16 tokens) a batch is one step, whose x takes the registers of the second.
+// One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
+// tiles take what they need (1 block).
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, 2)
+__global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
                          float eps, bool accumulate) {
@@ -168,13 +166,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     arrays.norm = reinterpret_cast<const uint4*>(norm_weight);
     arrays.chunks = chunks;
 
-    // A warp takes steps warp, warp + kWarps, ... in batches of kBatch; the next batch's weights are loaded
-    // while one multiplies, so up to 2 * kBatch steps of weights are in flight per warp.
-    constexpr int kBatch = kTiles == 1 ? 2 : 1;  // warp steps per load batch
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    constexpr int kBatchStride = kBatch * kWarps;
-    StepWeights<kBatch> current;
-    if (warp < steps) current.load(arrays, warp, kWarps);
+    auto chunk_of = [&](int step) { return step * kStepChunks + t; };
+    using Step = WarpStep<T, kTiles, kNorm>;
+    Step current;
+    if (warp < steps) current.load_weights(arrays, chunk_of(warp));
     fill_selector_table(selectors);
     __syncthreads();
     wait_for_previous_kernel();
@@ -191,20 +187,18 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
+    if (warp < steps) current.load_x(arrays, chunk_of(warp));
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
-    for (int first = warp; first < steps; first += kBatchStride) {
-        StepWeights<kBatch> next;
-        if (first + kBatchStride < steps) next.load(arrays, first + kBatchStride, kWarps);
-#pragma unroll
-        for (int s = 0; s < kBatch; ++s) {
-            const int step = first + s * kWarps;
-            if (step >= steps) break;
-            StepX<T, kTiles, kNorm> x_step;
-            x_step.load(arrays, step * kStepChunks + t, sum_sq);
-            multiply_step<T, kTiles>(current.w[s], current.m[s], x_step.xv, selectors, acc);
+    for (int step = warp; step < steps; step += kWarps) {
+        Step next;
+        if (step + kWarps < steps) {
+            next.load_weights(arrays, chunk_of(step + kWarps));
+            next.load_x(arrays, chunk_of(step + kWarps));
         }
+        if constexpr (kNorm) current.apply_norm(sum_sq);
+        current.multiply(selectors, acc);
         current = next;
     }
 
