@@ -95,6 +95,28 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The end of a scalar decode projection (one warp per output row; each lane holds fp32 partial sums per token):
+// the warp's sums reduced and lane 0 writing each token's output, with the fusions of launch.h (`norm`: sum_sq
+// holds the squares of x, the RMS scale multiplies the sums; `silu_mul`: up_acc holds the up row's sums).
+template <typename T, int kMaxTokens>
+__device__ __forceinline__ void store_scalar_projection(const float (&acc)[kMaxTokens], const float (&up_acc)[kMaxTokens],
+                                                        const float (&sum_sq)[kMaxTokens], T* out, int tokens,
+                                                        int outputs, int row, int k, float eps, bool norm,
+                                                        bool accumulate, bool silu_mul) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int tok = 0; tok < kMaxTokens; ++tok) {
+        if (tok >= tokens) break;
+        const float scale = norm ? rsqrtf(warp_sum(sum_sq[tok]) / k + eps) : 1.0f;
+        const float sum = warp_sum(acc[tok]) * scale;
+        const float up = silu_mul ? warp_sum(up_acc[tok]) * scale : 0.0f;
+        const int64_t idx = (int64_t)tok * outputs + row;
+        if (lane != 0) continue;
+        if (silu_mul) out[idx] = from_float<T>(sum / (1.0f + __expf(-sum)) * up);
+        else out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
+    }
+}
+
 // ---- sm_80+ asynchronous copies into shared memory and shared-memory matrix loads ----
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

@@ -301,17 +301,8 @@ __global__ void sparse24_gemv_scalar_kernel(const T* __restrict__ values, const 
             }
         }
     }
-#pragma unroll
-    for (int tok = 0; tok < kSparse24MaxTokens; ++tok) {
-        if (tok >= tokens) break;
-        const float scale = norm_weight ? rsqrtf(warp_sum(sum_sq[tok]) / k + eps) : 1.0f;
-        const float sum = warp_sum(acc[tok]) * scale;
-        const float up = silu_mul ? warp_sum(up_acc[tok]) * scale : 0.0f;
-        const int64_t idx = (int64_t)tok * outputs + row;
-        if (lane != 0) continue;
-        if (silu_mul) out[idx] = from_float<T>(sum / (1.0f + __expf(-sum)) * up);
-        else out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
-    }
+    store_scalar_projection(acc, up_acc, sum_sq, out, tokens, outputs, row, k, eps, norm_weight != nullptr, accumulate,
+                            silu_mul);
 }
 
 struct GemvArgs {

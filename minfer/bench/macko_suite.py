@@ -291,12 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH", help="e2e: write a PNG of decode speed and memory per density")
     args = parser.parse_args(argv)
+    return run_study(parser, args, {*SECTIONS, "e2e"}, "the MACKO study", study)
+
+
+def run_study(parser: argparse.ArgumentParser, args: argparse.Namespace, known: set[str], what: str,
+              study: Callable[[argparse.Namespace, list[str]], int]) -> int:
+    """`study(args, sections)` for the comma list --sections (each in `known`; else a usage error), on the
+    GPU with the kernels built; without a GPU, or on bad input, one `error:` line and exit status 2."""
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - {*SECTIONS, "e2e"}
+    unknown = set(sections) - known
     if unknown or not sections:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown)) or repr(args.sections)}")
     if not torch.cuda.is_available():
-        print("error: the MACKO study needs a CUDA GPU", file=sys.stderr)
+        print(f"error: {what} needs a CUDA GPU", file=sys.stderr)
         return 2
     ops.build()
     try:

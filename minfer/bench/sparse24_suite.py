@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..cli import ArgumentParser
-from ..errors import MinferError
 from ..formats import FORMATS, convert
 from ..formats.macko import release_scratch
 from ..sparsity import prune_model_
@@ -33,7 +32,7 @@ from . import e2e_suite, report
 from .arg_types import csv_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, rotated
 from .cases_sparse24 import matrix_24, sparse24_bytes
-from .macko_suite import bandwidth, time_eager
+from .macko_suite import bandwidth, run_study, time_eager
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 SECTIONS = ("decode", "prefill", "e2e")
@@ -204,21 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=positive_int, default=256, help="e2e decoded tokens (default 256)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     args = parser.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
-    if unknown or not sections:
-        parser.error(f"unknown section(s) {', '.join(sorted(unknown)) or repr(args.sections)}")
     if args.tokens and max(args.tokens) > ops.SPARSE24_GEMV_MAX_TOKENS:
         parser.error(f"--tokens: the 2:4 GEMV takes 1..{ops.SPARSE24_GEMV_MAX_TOKENS} tokens")
-    if not torch.cuda.is_available():
-        print("error: the 2:4 study needs a CUDA GPU", file=sys.stderr)
-        return 2
-    ops.build()
-    try:
-        return study(args, sections)
-    except MinferError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_study(parser, args, set(SECTIONS), "the 2:4 study", study)
 
 
 def study(args: argparse.Namespace, sections: list[str]) -> int:
