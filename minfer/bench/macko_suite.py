@@ -337,13 +337,19 @@ def study(args: argparse.Namespace, sections: list[str]) -> int:
         if args.plot:
             plot_e2e(args.plot, results["e2e"], f"{args.model}, random weights pruned by magnitude, batch 1, "
                                                 f"{env.get('device')}")
+    return print_study("MACKO", env, copy_gbs, results, COLUMNS, args.json)
+
+
+def print_study(title: str, env: dict, copy_gbs: float, results: dict[str, list[dict]],
+                columns: dict[str, list[report.Column]], json_path: str | None) -> int:
+    """A study's tables, one per section (and its JSON when asked); exit status 0."""
     env["copy_gbs"] = round(copy_gbs, 1)
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     for section, rows in results.items():
-        report.print_table(f"MACKO {section} ({env.get('device')})", COLUMNS[section], rows)
-    if args.json:
-        report.write_json(args.json, env, results)
-        print(f"wrote {args.json}")
+        report.print_table(f"{title} {section} ({env.get('device')})", columns[section], rows)
+    if json_path:
+        report.write_json(json_path, env, results)
+        print(f"wrote {json_path}")
     return 0
 
 

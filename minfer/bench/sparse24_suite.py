@@ -32,7 +32,7 @@ from . import e2e_suite, report
 from .arg_types import csv_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, rotated
 from .cases_sparse24 import matrix_24, sparse24_bytes
-from .macko_suite import bandwidth, run_study, time_eager
+from .macko_suite import bandwidth, print_study, run_study, time_eager
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 SECTIONS = ("decode", "prefill", "e2e")
@@ -224,14 +224,7 @@ def study(args: argparse.Namespace, sections: list[str]) -> int:
     if "e2e" in sections:
         done["e2e"] = []
         results["e2e"] = e2e_rows(args.model, args.prompt_tokens, args.new_tokens, torch.float16, copy_gbs, on_row)
-    env["copy_gbs"] = round(copy_gbs, 1)
-    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
-    for section, rows in results.items():
-        report.print_table(f"2:4 {section} ({env.get('device')})", COLUMNS[section], rows)
-    if args.json:
-        report.write_json(args.json, env, results)
-        print(f"wrote {args.json}")
-    return 0
+    return print_study("2:4", env, copy_gbs, results, COLUMNS, args.json)
 
 
 if __name__ == "__main__":
