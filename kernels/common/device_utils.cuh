@@ -95,6 +95,18 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The RMSNorm scale rsqrt(mean(x^2) + eps) of column `token` of the warps' partial sums of squares.
+template <int kWarps, int kCols>
+__device__ __forceinline__ float rms_scale(const float (&sum_sq_part)[kWarps][kCols], int token, int k, float eps) {
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
+    return rsqrtf(total / k + eps);
+}
+
+// silu(gate) * up: the MLP's activation, fused into the epilogues of its [gate; up] projection.
+__device__ __forceinline__ float silu_times(float gate, float up) { return gate / (1.0f + __expf(-gate)) * up; }
+
 // The end of a scalar decode projection (one warp per output row; each lane holds fp32 partial sums per token):
 // the warp's sums reduced and lane 0 writing each token's output, with the fusions of launch.h (`norm`: sum_sq
 // holds the squares of x, the RMS scale multiplies the sums; `silu_mul`: up_acc holds the up row's sums).
@@ -112,7 +124,7 @@ __device__ __forceinline__ void store_scalar_projection(const float (&acc)[kMaxT
         const float up = silu_mul ? warp_sum(up_acc[tok]) * scale : 0.0f;
         const int64_t idx = (int64_t)tok * outputs + row;
         if (lane != 0) continue;
-        if (silu_mul) out[idx] = from_float<T>(sum / (1.0f + __expf(-sum)) * up);
+        if (silu_mul) out[idx] = from_float<T>(silu_times(sum, up));
         else out[idx] = from_float<T>(sum + (accumulate ? to_float(out[idx]) : 0.0f));
     }
 }

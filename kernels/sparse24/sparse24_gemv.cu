@@ -242,15 +242,10 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
             const int token = 8 * tile + 2 * t + j;
             if (token >= tokens) continue;
             float scale = 1.0f;
-            if constexpr (kNorm) {
-                float total = 0.0f;
-#pragma unroll
-                for (int i = 0; i < kWarps; ++i) total += sum_sq_part[i][token];
-                scale = rsqrtf(total / k + eps);
-            }
+            if constexpr (kNorm) scale = rms_scale(sum_sq_part, token, k, eps);
             if constexpr (kSiluMul) {
                 const float gate = c[tile][j] * scale, up = c[tile][2 + j] * scale;
-                if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(gate / (1.0f + __expf(-gate)) * up);
+                if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(silu_times(gate, up));
                 continue;
             }
             const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
