@@ -109,7 +109,7 @@ def test_bad_input_is_one_line_and_exit_2(args, fragments):
     (["--sparse", "macko", "--density", "0.5", "--prune", "wanda", "--calib-text", "/no/such.txt"],
      ["--calib-text /no/such.txt does not exist"]),
     (["--macko-reference", str(APP), "--weights", "random"], ["drop --weights random"]),
-    (["--density", "0.5", "--save-compressed", "/no/such/folder"], ["--save-compressed writes compressed", "--sparse ksmm|macko"]),
+    (["--density", "0.5", "--save-compressed", "/no/such/folder"], ["--save-compressed writes compressed", "--sparse 2:4|ksmm|macko"]),
     (["--sparse", "macko", "--density", "0.5", "--save-compressed", ""], ["--save-compressed is empty"]),
     (["--macko-reference", ""], ["--macko-reference is empty"]),
     (["--sparse", "macko", "--density", "0.5", "--save-compressed", f"{APP}/sub"], ["--save-compressed: cannot create"]),
