@@ -57,9 +57,10 @@ def build_parser() -> ArgumentParser:
                         default="all",
                         help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
                              "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
-                             "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep); sparse24 = "
-                             "the 2:4 study: GEMV and prefill against cuBLAS, minfer dense and cuSPARSELt, then "
-                             "decode beside dense and MACKO d=0.5 (also `python -m minfer.bench.sparse24_suite`)")
+                             "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep); "
+                             "sparse24 = the 2:4 study: GEMV and prefill against cuBLAS, minfer dense and "
+                             "cuSPARSELt, then decode beside dense and MACKO d=0.5 (also `python -m "
+                             "minfer.bench.sparse24_suite`)")
     parser.add_argument("--ops", type=csv_list, default=None, metavar="A,B",
                         help=f"kernel ops to run (default: all of {', '.join(kernel_suite.registered_ops())})")
     parser.add_argument("--shapes", type=csv_list, default=None, metavar="NxK,...",

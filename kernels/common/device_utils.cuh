@@ -111,7 +111,8 @@ __device__ __forceinline__ float silu_times(float gate, float up) { return gate 
 // the warp's sums reduced and lane 0 writing each token's output, with the fusions of launch.h (`norm`: sum_sq
 // holds the squares of x, the RMS scale multiplies the sums; `silu_mul`: up_acc holds the up row's sums).
 template <typename T, int kMaxTokens>
-__device__ __forceinline__ void store_scalar_projection(const float (&acc)[kMaxTokens], const float (&up_acc)[kMaxTokens],
+__device__ __forceinline__ void store_scalar_projection(const float (&acc)[kMaxTokens],
+                                                        const float (&up_acc)[kMaxTokens],
                                                         const float (&sum_sq)[kMaxTokens], T* out, int tokens,
                                                         int outputs, int row, int k, float eps, bool norm,
                                                         bool accumulate, bool silu_mul) {

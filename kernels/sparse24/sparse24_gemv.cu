@@ -161,8 +161,10 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     arrays.meta[1] = meta + (int64_t)rows_hi * chunks;
     arrays.x_pieces = k / 8;
 #pragma unroll
-    for (int tile = 0; tile < 2; ++tile)  // lanes past the last token read token 0: their outputs are not stored
-        arrays.x[tile] = reinterpret_cast<const uint4*>(x) + (int64_t)(g + 8 * tile < tokens ? g + 8 * tile : 0) * arrays.x_pieces;
+    for (int tile = 0; tile < 2; ++tile) {  // lanes past the last token read token 0: their outputs are not stored
+        const int token = g + 8 * tile < tokens ? g + 8 * tile : 0;
+        arrays.x[tile] = reinterpret_cast<const uint4*>(x) + (int64_t)token * arrays.x_pieces;
+    }
     arrays.norm = reinterpret_cast<const uint4*>(norm_weight);
     arrays.chunks = chunks;
 

@@ -46,8 +46,8 @@ void sparse24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tens
     minfer::ProjectionFusion fusion;
     if (norm_weight.has_value()) {
         check_cuda_contiguous(*norm_weight, "norm_weight");
-        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == k, "minfer.sparse24_gemv: norm_weight must be [",
-                     k, "]");
+        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == k,
+                     "minfer.sparse24_gemv: norm_weight must be [", k, "]");
         MINFER_CHECK(norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(),
                      "minfer.sparse24_gemv: norm_weight must have x's dtype and device");
         MINFER_CHECK(eps >= 0.0, "minfer.sparse24_gemv: eps must be >= 0");

@@ -45,7 +45,8 @@ def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         counts = nonzero.sum(dim=-1)
         if bool((counts > 2).any()):
             row, group = divmod(int((counts > 2).flatten().nonzero()[0]), padded // 4)
-            raise FormatError(f"not a 2:4 matrix: row {first + row}, columns {4 * group}..{min(4 * group + 3, cols - 1)} "
+            last = min(4 * group + 3, cols - 1)
+            raise FormatError(f"not a 2:4 matrix: row {first + row}, columns {4 * group}..{last} "
                               f"hold {int(counts[row, group])} nonzeros (at most 2 of every 4); prune it to 2:4 first "
                               "(--sparse 2:4 does)")
         # nonzero slots sort first (keys 0..3), then zero slots (4..7); the two smallest, in slot order

@@ -81,7 +81,7 @@ from .tokens import argmax, argmax_reference, embedding, embedding_reference
 __all__ = [
     "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
     "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS", "MACKO_TILE_ROWS",
-    "MACKO_WINDOW_COLS", "SPARSE24_CHUNK_COLS", "SPARSE24_GEMV_MAX_TOKENS", "add_rms_norm", "argmax", "argmax_reference", "backend", "blocksparse_attention",
+    "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "blocksparse_attention",
     "blocksparse_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
     "check_macko_arrays", "current_backend", "decode_attention", "decode_attention_reference",
     "decode_attention_splits", "decode_attention_supports", "decode_attention_workspace", "embedding",
@@ -89,6 +89,7 @@ __all__ = [
     "macko_decompress", "macko_decompress_reference", "macko_k_splits", "macko_spmv", "macko_spmv_reference",
     "macko_spmv_tuned", "macko_tensor_core_spmm", "macko_tensor_core_spmm_tuned", "macko_uses_tensor_cores",
     "macko_window_table", "require_cuda", "rms_norm", "rms_norm_reference", "rope_write_kv",
-    "rope_write_kv_reference", "check_sparse24_arrays", "silu_mul", "silu_mul_reference", "sparse24_decompress", "sparse24_decompress_reference",
-    "sparse24_gemv", "target_arch_list", "unpack_nibbles", "use_kernels",
+    "rope_write_kv_reference", "silu_mul", "silu_mul_reference", "target_arch_list", "unpack_nibbles", "use_kernels",
+    "SPARSE24_CHUNK_COLS", "SPARSE24_GEMV_MAX_TOKENS", "check_sparse24_arrays", "sparse24_decompress",
+    "sparse24_decompress_reference", "sparse24_gemv",
 ]

@@ -87,7 +87,8 @@ def sparse24_gemv(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out
     if accumulate and out is None:
         raise FormatError("sparse24_gemv(accumulate=True) adds into `out`: pass the tensor to add into")
     if silu_mul and (rows % 2 or accumulate):
-        raise FormatError(f"sparse24_gemv(silu_mul=True) needs [gate; up] with an even N (got {rows}) and no accumulate")
+        raise FormatError(f"sparse24_gemv(silu_mul=True) needs [gate; up] with an even N (got {rows}) "
+                          "and no accumulate")
     outputs = rows // 2 if silu_mul else rows
     if out is None:
         out = x.new_empty(tokens, outputs)

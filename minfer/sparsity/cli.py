@@ -121,7 +121,8 @@ def check(args: argparse.Namespace, resolved) -> None:
                                             ("--calib-seq-len", args.calib_seq_len)) if value is not None]
     pattern = structure(args)
     if pattern is not None and args.density is not None:
-        raise MinferError(f"--sparse {args.sparse} prunes to {pattern[0]} of every {pattern[1]} weights; drop --density")
+        raise MinferError(f"--sparse {args.sparse} prunes to {pattern[0]} of every {pattern[1]} weights; "
+                          "drop --density")
     if args.density is None and pattern is None and (args.prune or calib_flags):
         raise MinferError(f"{(['--prune'] if args.prune else calib_flags)[0]} sets how --density prunes; "
                           "pass --density D too (e.g. --density 0.5)")
