@@ -20,13 +20,12 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def runs_on(path: str, pattern, tokens: int) -> bool:
-    """Which shapes each kernel takes (kernels/ksmm/ksmm.h): the fast paths read 16-byte vectors of c·d runs."""
-    _, _, c, d = pattern
-    vectors = c * d % 8 == 0
+    """Whether the kernel `path` takes this shape (aligned tensors). The tensor cores take any batch, so they
+    take a pattern when auto picks them past the bandwidth path's batch."""
     if path == "rows":
-        return vectors and tokens <= ops.KSMM_ROWS_MAX_TOKENS and d & (d - 1) == 0 and d <= ops.KSMM_ROWS_MAX_D
+        return ops.ksmm_path(pattern, tokens) == "rows"
     if path == "tensor-core":
-        return vectors and (d in (1, 2, 4) or d % 8 == 0)
+        return ops.ksmm_path(pattern, ops.KSMM_ROWS_MAX_TOKENS + 1) == "tensor-core"
     return True
 
 

@@ -15,6 +15,18 @@ KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3}
 KSMM_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
+    """The kernel ops.ksmm runs for this pattern and batch, given 16-byte aligned tensors (kernels/ksmm/ksmm.h,
+    ksmm_path_supports and ksmm_auto_path): the fast paths read c·d runs in 16-byte vectors; "rows" takes up
+    to KSMM_ROWS_MAX_TOKENS tokens and d a power of two up to KSMM_ROWS_MAX_D, "tensor-core" any batch and d
+    in (1, 2, 4) or a multiple of 8; "generic" anything."""
+    _, _, c, d = pattern
+    vectors = c * d % 8 == 0
+    if vectors and tokens <= KSMM_ROWS_MAX_TOKENS and d & (d - 1) == 0 and d <= KSMM_ROWS_MAX_D:
+        return "rows"
+    return "tensor-core" if vectors and (d in (1, 2, 4) or d % 8 == 0) else "generic"
+
+
 def ksmm_reference(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """x [T, a·c·d] times the (a, b, c, d) factor's matrix transposed, [T, a·b·d], in fp32 (float64 stays
     float64), rounded to x's dtype: Y[n, i, j, l] = sum_k X[n, i, k, l] W[i, j, k, l]. The views do the
