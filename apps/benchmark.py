@@ -94,7 +94,8 @@ def build_parser() -> ArgumentParser:
 
 # The suites each optional flag applies to; given with any other suite it would be ignored.
 FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
-               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "attention", "ksmm", "all"),
+               "densities": ("macko", "macko-e2e", "all"),
+               "plot": ("kernels", "e2e", "macko-e2e", "attention", "ksmm", "all"),
                "lengths": ("attention",),
                "reps": ("kernels", "macko", "ksmm", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
                "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}

@@ -240,7 +240,8 @@ __global__ void __launch_bounds__(kThreads) ksmm_mma_kernel(const T* __restrict_
     const auto store = [&](int stage) {
         uint16_t* planes = smem + stage * Tile::kStage;
 #pragma unroll
-        for (int u = 0; u < Tile::kAChunks; ++u) scatter_chunk<DL>(planes, Tile::kPlane, chunk_row(u), chunk_col(u), a_reg[u]);
+        for (int u = 0; u < Tile::kAChunks; ++u)
+            scatter_chunk<DL>(planes, Tile::kPlane, chunk_row(u), chunk_col(u), a_reg[u]);
 #pragma unroll
         for (int u = 0; u < Tile::kBChunks; ++u)
             scatter_chunk<DL>(planes, Tile::kPlane, kBm + chunk_row(u), chunk_col(u), b_reg[u]);

@@ -134,7 +134,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             continue
         speedups = [r["speedup"] for r in chosen]
         wins = sum(s >= WIN_SPEEDUP for s in speedups)
-        large = [r["pct_copy"] for r in chosen if r["pct_copy"] is not None and r["factor_mb"] * 2**20 >= LARGE_FACTOR_BYTES]
+        large = [r["pct_copy"] for r in chosen
+                 if r["pct_copy"] is not None and r["factor_mb"] * 2**20 >= LARGE_FACTOR_BYTES]
         summary.append({"tokens": "all" if tokens is None else tokens, "cases": len(chosen), "wins": wins,
                         "win_rate": wins / len(chosen), "median_speedup": statistics.median(speedups),
                         "min_speedup": min(speedups),
