@@ -9,6 +9,7 @@ Examples:
   python apps/benchmark.py --suite macko --densities 0.3,0.5 --shapes 12288x4096 --json out/macko.json
   python apps/benchmark.py --suite sparse24 --json out/sparse24.json
   python apps/benchmark.py --suite attention --lengths 8192,16384 --json out/attn.json --plot out/attn.png
+  python apps/benchmark.py --suite ksmm --reps 5 --new-tokens 64 --json out/ksmm.json --plot out/ksmm.png
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
@@ -18,6 +19,8 @@ speed and peak memory against dense (beside other suites its plot goes next to -
 -macko-e2e). The macko suite is the MACKO kernel study of minfer.bench.macko_suite without its
 launch sweep. The attention suite times block-sparse prefill against SDPA and FlexAttention (same
 BlockMask) per length and layout, and fits time against the kept-block fraction (--plot draws it).
+The ksmm suite times the KS factor kernel over a grid of patterns and batch sizes against dense, einsum
+and bmm formulations (minfer.bench.ksmm_suite), then the model dense and with monarch-50 KS chains.
 
 Exit status: 0 done, 2 bad input (one `error:` line on stderr), 141 when the reader of the output
 went away (e.g. `| head`).
@@ -38,7 +41,8 @@ import torch  # noqa: E402
 
 from minfer import ops  # noqa: E402
 from minfer.cli import ArgumentParser, run_main  # noqa: E402
-from minfer.bench import attention_suite, e2e_suite, kernel_suite, macko_suite, report, sparse24_suite  # noqa: E402
+from minfer.bench import (attention_suite, e2e_suite, kernel_suite, ksmm_suite, macko_suite, report,  # noqa: E402
+                          sparse24_suite)
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
@@ -48,12 +52,13 @@ from minfer.model import EMBEDDING_PLACES  # noqa: E402
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Flags that apply to some suites only default to None (see FLAG_SUITES), then to these.
 DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens": 256, "embedding": "host"}
-E2E_SUITES = ("e2e", "macko-e2e", "sparse24", "all")
+E2E_SUITES = ("e2e", "macko-e2e", "sparse24", "ksmm", "all")
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__)
-    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "sparse24", "attention", "all"),
+    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "sparse24", "attention", "ksmm",
+                                            "all"),
                         default="all",
                         help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
                              "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
@@ -95,9 +100,10 @@ def build_parser() -> ArgumentParser:
 
 # The suites each optional flag applies to; given with any other suite it would be ignored.
 FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
-               "densities": ("macko", "macko-e2e", "all"), "plot": ("kernels", "e2e", "macko-e2e", "attention", "all"),
+               "densities": ("macko", "macko-e2e", "all"),
+               "plot": ("kernels", "e2e", "macko-e2e", "attention", "ksmm", "all"),
                "lengths": ("attention",),
-               "reps": ("kernels", "macko", "sparse24", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
+               "reps": ("kernels", "macko", "sparse24", "ksmm", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
                "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}
 
 
@@ -165,13 +171,14 @@ def run(args: argparse.Namespace) -> int:
     sparse24_rows: dict[str, list[dict]] = {}
     attention_rows: list[dict] = []
     attention_fit: dict = {}
+    ksmm_rows: dict[str, list[dict]] = {}
 
     def write_json() -> None:  # after every suite, so a run cut short keeps what it measured
         if args.json:
             report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
                                                "macko": macko_kernel_rows, "sparse24": sparse24_rows,
                                                "attention": attention_rows,
-                                               "attention_fit": attention_fit})
+                                               "attention_fit": attention_fit, "ksmm": ksmm_rows})
 
     if args.suite in ("kernels", "all"):
         copy_gbs, kernel_rows = kernel_suite.run(
@@ -212,6 +219,16 @@ def run(args: argparse.Namespace) -> int:
                                                      f"{row['minfer_ms']:.3f} ms", flush=True))
         env.update({key: round(value, 1) for key, value in ceilings.items()})
         write_json()
+    if args.suite == "ksmm":
+        copy_gbs, ksmm_rows["grid"], ksmm_rows["summary"] = ksmm_suite.run(
+            dtype, args.reps, on_row=lambda row: print(f"  ksmm {row['pattern']} B={row['tokens']}: "
+                                                       f"{row['speedup']:.2f}x", flush=True))
+        env["copy_gbs"] = round(copy_gbs, 1)
+        write_json()
+        ksmm_rows["e2e"] = ksmm_suite.e2e_rows(
+            args.model, args.prompt_tokens, args.new_tokens, dtype, embedding=args.embedding,
+            on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s", flush=True))
+        write_json()
     if args.suite in ("macko-e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         densities = args.densities or macko_suite.E2E_DENSITIES
@@ -234,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
         report.print_table(f"MACKO {section} ({env.get('device')}, {args.dtype})", macko_suite.COLUMNS[section], rows)
     for section, rows in sparse24_rows.items():
         report.print_table(f"2:4 {section} ({env.get('device')}, {args.dtype})", sparse24_suite.COLUMNS[section], rows)
+    for section, rows in ksmm_rows.items():
+        report.print_table(f"KS factors: {section} ({env.get('device')}, {args.dtype})", ksmm_suite.COLUMNS[section],
+                           rows)
     if macko_rows:
         report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1, "
                            f"embedding on the {args.embedding}", macko_suite.COLUMNS["e2e"], macko_rows)
@@ -246,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and attention_fit:
         attention_suite.plot_fraction(args.plot, attention_fit, f"block-sparse prefill at {attention_fit['seq_len']}, "
                                                                 f"{env.get('device')}")
+        print(f"wrote {args.plot}")
+    if args.plot and ksmm_rows:
+        ksmm_suite.plot(args.plot, ksmm_rows["grid"], f"KS factors, {env.get('device')}, {args.dtype}")
         print(f"wrote {args.plot}")
     if args.plot and macko_rows:
         path = Path(args.plot)

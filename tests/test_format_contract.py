@@ -202,16 +202,10 @@ class MinferOpCalls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-# Formats whose forward is still the pure-PyTorch reference: strict, so the kernel's arrival flags the entry.
-NO_KERNEL_YET = {"ksmm": "issue 33: the KS factor kernel is not written yet"}
-
-
 @requires_cuda
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 @pytest.mark.parametrize("tokens", [1, 16, 40])
-def test_opcheck_of_every_op_the_format_calls(name, tokens, request):
-    if name in NO_KERNEL_YET and tokens <= 16:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=NO_KERNEL_YET[name]))
+def test_opcheck_of_every_op_the_format_calls(name, tokens):
     fmt, _ = encoded(name, device="cuda")
     x = torch.randn(tokens, COLS, dtype=torch.float16, device="cuda")
     norm_weight = torch.rand(COLS, dtype=torch.float16, device="cuda") + 0.5

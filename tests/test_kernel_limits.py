@@ -34,6 +34,8 @@ def constants(relative_path: str) -> dict[str, int]:
     (ops.MACKO_TENSOR_CORE_MAX_COLS, "macko/macko.h", ["kMackoTensorCoreMaxCols"]),
     (ops.MACKO_FUSED_MAX_COLS, "macko/macko.h", ["kMackoFusedMaxCols"]),
     (macko._ORIGIN_BIAS, "macko/macko_tensor_core_spmm.cu", ["kOriginBias"]),
+    (ops.KSMM_ROWS_MAX_TOKENS, "ksmm/ksmm.h", ["kKsmmRowsMaxTokens"]),
+    (ops.KSMM_ROWS_MAX_D, "ksmm/ksmm.h", ["kKsmmRowsMaxD"]),
     (ops.BLOCKSPARSE_TILE, "blocksparse_attention/blocksparse_attention.h", ["kBlocksparseTile"]),
     (ops.SPARSE24_CHUNK_COLS, "sparse24/sparse24.h", ["kSparse24ChunkCols"]),
     (ops.SPARSE24_GEMV_MAX_TOKENS, "sparse24/sparse24.h", ["kSparse24MaxTokens"]),
@@ -51,6 +53,12 @@ def test_hgemm_kernel_names_match_the_dispatch_table():
     table = (KERNEL_DIR / "dense/hgemm.cu").read_text()
     kernels = table[table.index("kKernels[] = {"):table.index("};", table.index("kKernels[] = {"))]
     assert dense.HGEMM_KERNELS == ("auto", *re.findall(r'\{"(\w+)",', kernels))
+
+
+def test_ksmm_path_numbers_match_the_kernel_enum():
+    enum = re.search(r"enum class KsmmPath : int \{([^}]*)\}", (KERNEL_DIR / "ksmm/ksmm.h").read_text()).group(1)
+    numbers = [int(v) for v in re.findall(r"= (\d+)", enum)]
+    assert sorted(ops.KSMM_PATHS.values()) == numbers
 
 
 def test_rms_norm_row_limits_match_the_kernel():

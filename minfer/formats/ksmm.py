@@ -6,7 +6,9 @@ K[i·b·d + j·d + l, i·c·d + k·d + l] = W[i, j, k, l]. A chain lists its fac
 the KSMM seed's `KSLinear` does: entry 0 is the right-most factor K_L (it reads the input, applied first),
 the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
 
-No kernel yet: forward is the pure-PyTorch reference (one einsum per factor, fp32 accumulation).
+On a GPU under minfer's kernels, forward runs one fused kernel per factor (ops.ksmm, kernels/ksmm: the
+stride-d gather and scatter in place, fp32 sums) for fp16/bf16 chains, the intermediates rounded to that
+dtype between factors; elsewhere it is the pure-PyTorch reference (one einsum per factor, fp32 intermediates).
 The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
 to a whole model, and this package must not import that one.
 """
@@ -18,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import ops
 from ..errors import FormatError
 from .base import WeightFormat, expect_tensors, register
 
@@ -55,14 +58,6 @@ def check_chain(patterns: Sequence[Pattern], shape: tuple[int, int]) -> None:
     if pattern_outputs(patterns[-1]) != rows:
         raise FormatError(f"the KS chain's last factor {tuple(patterns[-1])} writes {pattern_outputs(patterns[-1])} "
                           f"outputs, but the matrix has {rows} rows")
-
-
-def apply_factor(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """x (B, a·c·d) times the factor's matrix transposed: (B, a·b·d). The views do the stride-d gather and
-    scatter; einsum contracts over c."""
-    a, b, c, d = factor.shape
-    y = torch.einsum("nikl,ijkl->nijl", x.reshape(x.shape[0], a, c, d), factor)
-    return y.reshape(x.shape[0], a * b * d)
 
 
 @register
@@ -143,7 +138,7 @@ class KSWeight(WeightFormat):
 
     def _apply_chain(self, flat: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         for factor in self.factors:
-            flat = apply_factor(flat, factor.to(compute))
+            flat = ops.ksmm_reference(flat, factor.to(compute))
         return flat
 
     def to_dense(self) -> torch.Tensor:
@@ -153,9 +148,14 @@ class KSWeight(WeightFormat):
         return self._apply_chain(eye, torch.float64).T.to(self.dtype).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if ops.use_kernels(flat) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES:
+            flat = flat.contiguous()
+            for factor in self.factors:
+                flat = ops.ksmm(flat, factor)
+            return flat.reshape(*x.shape[:-1], self.out_features)
         compute = torch.promote_types(x.dtype, torch.float32)
-        flat = x.reshape(-1, self.in_features).to(compute)
-        return self._apply_chain(flat, compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.name}, shape={self.shape}, patterns={self.patterns}"

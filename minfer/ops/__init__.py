@@ -37,6 +37,16 @@ from .elementwise import (
     silu_mul,
     silu_mul_reference,
 )
+from .ksmm import (
+    KSMM_DTYPES,
+    KSMM_PATHS,
+    KSMM_ROWS_MAX_D,
+    KSMM_ROWS_MAX_TOKENS,
+    ksmm,
+    ksmm_path,
+    ksmm_reference,
+    ksmm_tuned,
+)
 from .macko import (
     MACKO_FUSED_MAX_COLS,
     MACKO_SPMM_MAX_TOKENS,
@@ -80,12 +90,14 @@ from .tokens import argmax, argmax_reference, embedding, embedding_reference
 
 __all__ = [
     "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
+    "KSMM_DTYPES", "KSMM_PATHS", "KSMM_ROWS_MAX_D", "KSMM_ROWS_MAX_TOKENS",
     "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS", "MACKO_TILE_ROWS",
     "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "blocksparse_attention",
     "blocksparse_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
     "check_macko_arrays", "current_backend", "decode_attention", "decode_attention_reference",
     "decode_attention_splits", "decode_attention_supports", "decode_attention_workspace", "embedding",
-    "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned", "kernels_run_on", "linear_reference",
+    "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned", "kernels_run_on", "ksmm",
+    "ksmm_path", "ksmm_reference", "ksmm_tuned", "linear_reference",
     "macko_decompress", "macko_decompress_reference", "macko_k_splits", "macko_spmv", "macko_spmv_reference",
     "macko_spmv_tuned", "macko_tensor_core_spmm", "macko_tensor_core_spmm_tuned", "macko_uses_tensor_cores",
     "macko_window_table", "require_cuda", "rms_norm", "rms_norm_reference", "rope_write_kv",

@@ -1,0 +1,58 @@
+// KS factor products (ksmm.h): the binding checks the tensors and forwards raw pointers.
+#include "common/torch_binding.h"
+#include "ksmm/ksmm.h"
+
+namespace {
+
+using namespace minfer::binding;
+
+// `path`: 0 auto, 1 generic, 2 rows (bandwidth), 3 tensor cores (minfer::KsmmPath), for tests and benchmarks.
+void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, int64_t path) {
+    const char* op = "minfer.ksmm";
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(factor, "factor");
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(factor.dim() == 4, op, ": factor must be a 4-D (a, b, c, d) tensor, got ", factor.sizes());
+    const int64_t a = factor.size(0), b = factor.size(1), c = factor.size(2), d = factor.size(3);
+    MINFER_CHECK(x.dim() == 2 && x.size(1) == a * c * d, op, ": x must be [T, ", a * c * d, "] for the pattern ",
+                 factor.sizes(), ", got ", x.sizes());
+    const int64_t tokens = x.size(0);
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens && out.size(1) == a * b * d, op, ": out must be [", tokens,
+                 ", ", a * b * d, "], got ", out.sizes());
+    MINFER_CHECK(factor.scalar_type() == at::kHalf || factor.scalar_type() == at::kBFloat16, op,
+                 ": the factor must be float16 or bfloat16, got ", factor.scalar_type());
+    MINFER_CHECK(x.scalar_type() == factor.scalar_type() && out.scalar_type() == factor.scalar_type(), op,
+                 ": x, factor and out must share one dtype");
+    MINFER_CHECK(x.device() == factor.device() && out.device() == factor.device(), op,
+                 ": tensors on different devices");
+    MINFER_CHECK(a <= INT32_MAX && b <= INT32_MAX && c <= INT32_MAX && d <= INT32_MAX && tokens <= INT32_MAX &&
+                     a * b <= INT32_MAX,
+                 op, ": the pattern or the batch is too large for the kernel's int32 indices");
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
+                 ": out must not overlap x (other blocks still read x while one writes out)");
+    MINFER_CHECK(path >= 0 && path <= 3, op, ": path must be 0 (auto), 1 (generic), 2 (rows) or 3 (tensor cores)");
+    const auto chosen = static_cast<minfer::KsmmPath>(path);
+    MINFER_CHECK(minfer::ksmm_path_supports(chosen, tokens, a, b, c, d, x.data_ptr(), factor.data_ptr(),
+                                            out.data_ptr()),
+                 op, ": path ", path, " cannot run the pattern ", factor.sizes(), " for ", tokens,
+                 " tokens (rows: at most ", minfer::kKsmmRowsMaxTokens, " tokens and d a power of two up to ",
+                 minfer::kKsmmRowsMaxD, "; both fast paths: c*d a multiple of 8 and 16-byte aligned tensors)");
+    const c10::cuda::CUDAGuard guard(x.device());
+    minfer::launch_ksmm(x.data_ptr(), factor.data_ptr(), out.data_ptr(), tokens, a, b, c, d, chosen,
+                        dtype_of(factor), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void ksmm(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out) { ksmm_tuned(x, factor, out, 0); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minfer, m) {
+    m.def("ksmm(Tensor x, Tensor factor, Tensor(a!) out) -> ()");
+    m.def("ksmm_tuned(Tensor x, Tensor factor, Tensor(a!) out, int path) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
+    m.impl("ksmm", &ksmm);
+    m.impl("ksmm_tuned", &ksmm_tuned);
+}

@@ -1,0 +1,210 @@
+"""The KS factor kernel study (apps/benchmark.py --suite ksmm): one factor per case, minfer's fused kernel
+against the three torch formulations, and the end-to-end rows of a Llama with every projection a KS chain.
+
+Grid: patterns (a, b, c, d) with b, c from 64 to 2048 and a·d from 1 to 64 (split as a alone, d alone and
+both), plus the factors of the monarch-50 chains of Llama-2-7B's projections, at B = 1, 16, 512 and 4096
+tokens. A case whose x, y or factor would pass MAX_CASE_BYTES is left out. Baselines, each timed the same way
+(CUDA graph, inputs and factors rotated past L2, median of replays):
+- dense: the factor's matrix stored dense, times x with torch.mm (cuBLAS), while it fits MAX_DENSE_BYTES;
+- einsum: torch.einsum("nikl,ijkl->nijl") on the views (torch picks its own permutations);
+- bmm: x permuted to (a·d, B, c), one bmm against the factor stored pre-permuted as (a·d, c, b), y permuted
+  back: the seed's bmm algorithm with both permutation copies timed.
+A case is a win when minfer is at least WIN_SPEEDUP times faster than the best baseline. At B = 1 the
+kernel's GB/s (factor, x and y bytes) is given against the copy rate.
+End to end: the random-weight model dense and with monarch-50 chains on all 7 projections, on minfer's kernels:
+decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import ops
+from ..formats.ksmm import Pattern
+from ..sparsity.factorize import monarch_chain, random_chains
+from . import e2e_suite, report
+from .timing import copy_bandwidth_gbs, rotation_count, time_graph
+
+BATCHES = (1, 16, 512, 4096)
+BLOCK_SIZES = ((64, 64), (256, 256), (1024, 1024), (2048, 2048), (256, 1024), (2048, 512))  # (b, c)
+BLOCK_COUNTS = ((1, 1), (4, 1), (1, 4), (2, 2), (16, 1), (1, 16), (4, 4), (64, 1), (1, 64), (8, 8))  # (a, d)
+LLAMA2_7B_PROJECTIONS = ((4096, 4096), (11008, 4096), (4096, 11008))  # (N, K): q/k/v/o, gate/up, down
+MAX_CASE_BYTES = 256 << 20
+MAX_DENSE_BYTES = 512 << 20
+WIN_SPEEDUP = 1.2
+LARGE_FACTOR_BYTES = 8 << 20  # the B = 1 bandwidth bar applies from this factor size on
+BASELINES = ("dense", "einsum", "bmm")
+KS_PRESET = "monarch-50"
+
+COLUMNS = {
+    "grid": [report.Column(*c) for c in [
+        ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("factor_mb", "factor MB", "{:.1f}"),
+        ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("dense_ms", "dense ms", "{:.4f}"),
+        ("einsum_ms", "einsum ms", "{:.4f}"), ("bmm_ms", "bmm ms", "{:.4f}"), ("best", "best torch"),
+        ("speedup", "vs best", "{:.2f}x"), ("tflops", "TFLOP/s", "{:.1f}"), ("pct_copy", "% copy", "{:.1f}")]],
+    "summary": [report.Column(*c) for c in [
+        ("tokens", "B"), ("cases", "cases"), ("wins", f"wins (>= {WIN_SPEEDUP}x)"), ("win_rate", "win rate", "{:.0%}"),
+        ("median_speedup", "median vs best", "{:.2f}x"), ("min_speedup", "min", "{:.2f}x"),
+        ("pct_copy_large", "B=1 % copy, factors >= 8 MB (min / median)")]],
+    "e2e": [report.Column(*c) for c in [
+        ("model", "model"), ("format", "projections"), ("weight_gb", "decode weights GB", "{:.2f}"),
+        ("decode_tok_s", "decode tok/s", "{:.1f}"), ("vs_dense_decode", "vs dense", "{:.2f}x"),
+        ("prefill_ms", "prefill ms", "{:.1f}"), ("vs_dense_prefill", "prefill vs dense", "{:.2f}x"),
+        ("peak_mem_gb", "peak GB", "{:.2f}")]],
+}
+
+
+def grid_patterns() -> list[Pattern]:
+    patterns = [(a, b, c, d) for b, c in BLOCK_SIZES for a, d in BLOCK_COUNTS]
+    for shape in LLAMA2_7B_PROJECTIONS:
+        patterns += [p for p in monarch_chain(shape, 0.5) if p not in patterns]
+    return patterns
+
+
+def case_fits(pattern: Pattern, tokens: int, size: int) -> bool:
+    a, b, c, d = pattern
+    return max(a * b * c * d, tokens * a * c * d, tokens * a * b * d) * size <= MAX_CASE_BYTES
+
+
+def bmm_operands(factor: torch.Tensor) -> torch.Tensor:
+    """The factor stored as the bmm baseline wants it, (a·d, c, b): W[i, :, :, l]^T per (i, l)."""
+    a, b, c, d = factor.shape
+    return factor.permute(0, 3, 2, 1).reshape(a * d, c, b).contiguous()
+
+
+def bmm_product(x: torch.Tensor, operands: torch.Tensor, pattern: Pattern) -> torch.Tensor:
+    a, b, c, d = pattern
+    tokens = x.shape[0]
+    gathered = x.view(tokens, a, c, d).permute(1, 3, 0, 2).reshape(a * d, tokens, c)
+    return torch.bmm(gathered, operands).view(a, d, tokens, b).permute(2, 0, 3, 1).reshape(tokens, a * b * d)
+
+
+def dense_matrix(factor: torch.Tensor) -> torch.Tensor:
+    """The factor's (a·b·d) x (a·c·d) matrix, K[i·b·d + j·d + l, i·c·d + k·d + l] = W[i, j, k, l]."""
+    a, b, c, d = factor.shape
+    dense = factor.new_zeros(a, b, d, a, c, d)
+    for i in range(a):
+        for l in range(d):
+            dense[i, :, l, i, :, l] = factor[i, :, :, l]
+    return dense.view(a * b * d, a * c * d)
+
+
+def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy_gbs: float) -> dict:
+    a, b, c, d = pattern
+    size = torch.finfo(dtype).bits // 8
+    factor_bytes, x_bytes, y_bytes = a * b * c * d * size, tokens * a * c * d * size, tokens * a * b * d * size
+    copies = rotation_count(factor_bytes + x_bytes)
+    factors = [(torch.randn(pattern, device="cuda") / c**0.5).to(dtype) for _ in range(copies)]
+    xs = [torch.randn(tokens, a * c * d, device="cuda").to(dtype) for _ in range(copies)]
+    out = torch.empty(tokens, a * b * d, device="cuda", dtype=dtype)
+    row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20,
+           "path": ops.ksmm_path(pattern, tokens)}
+    row["minfer_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
+    dense_bytes = (a * b * d) * (a * c * d) * size
+    if dense_bytes <= MAX_DENSE_BYTES:
+        dense_copies = rotation_count(dense_bytes + x_bytes)
+        dense = [dense_matrix(factors[i % copies]) for i in range(dense_copies)]
+        row["dense_ms"] = time_graph(lambda i: torch.mm(xs[i % copies], dense[i].t(), out=out), dense_copies, reps)
+        del dense
+    else:
+        row["dense_ms"] = None
+    row["einsum_ms"] = time_graph(lambda i: torch.einsum("nikl,ijkl->nijl", xs[i].view(tokens, a, c, d),
+                                                         factors[i]).reshape(tokens, a * b * d), copies, reps)
+    operands = [bmm_operands(f) for f in factors]
+    row["bmm_ms"] = time_graph(lambda i: bmm_product(xs[i], operands[i], pattern), copies, reps)
+    timed = {name: row[f"{name}_ms"] for name in BASELINES if row[f"{name}_ms"] is not None}
+    row["best"] = min(timed, key=timed.get)
+    row["speedup"] = timed[row["best"]] / row["minfer_ms"]
+    row["tflops"] = 2 * tokens * a * b * c * d / (row["minfer_ms"] * 1e-3) / 1e12
+    row["gbs"] = (factor_bytes + x_bytes + y_bytes) / (row["minfer_ms"] * 1e-3) / 1e9
+    row["pct_copy"] = 100 * row["gbs"] / copy_gbs if tokens == 1 else None
+    return row
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    summary = []
+    for tokens in (*BATCHES, None):
+        chosen = [r for r in rows if tokens is None or r["tokens"] == tokens]
+        if not chosen:
+            continue
+        speedups = [r["speedup"] for r in chosen]
+        wins = sum(s >= WIN_SPEEDUP for s in speedups)
+        large = [r["pct_copy"] for r in chosen
+                 if r["pct_copy"] is not None and r["factor_mb"] * 2**20 >= LARGE_FACTOR_BYTES]
+        summary.append({"tokens": "all" if tokens is None else tokens, "cases": len(chosen), "wins": wins,
+                        "win_rate": wins / len(chosen), "median_speedup": statistics.median(speedups),
+                        "min_speedup": min(speedups),
+                        "pct_copy_large": f"{min(large):.1f} / {statistics.median(large):.1f}" if large else None})
+    return summary
+
+
+def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None]) -> tuple[float, list[dict], list[dict]]:
+    """(copy GB/s, one row per case, the summary per batch size and overall)."""
+    copy_gbs = copy_bandwidth_gbs()
+    size = torch.finfo(dtype).bits // 8
+    rows = []
+    for tokens in BATCHES:
+        for pattern in grid_patterns():
+            if case_fits(pattern, tokens, size):
+                rows.append(time_case(pattern, tokens, dtype, reps, copy_gbs))
+                on_row(rows[-1])
+                gc.collect()
+                torch.cuda.empty_cache()
+    return copy_gbs, rows, summarize(rows)
+
+
+def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.dtype,
+             on_row: Callable[[dict], None], embedding: str = "host") -> list[dict]:
+    """Dense, then KS_PRESET chains on every projection (random factors), on minfer's kernels at batch 1."""
+    rows = []
+    for projections in ("dense", KS_PRESET):
+        gc.collect()
+        torch.cuda.empty_cache()
+        held_before = e2e_suite.memory_held()
+        model = e2e_suite.build_model(model_name, dtype)
+        if projections != "dense":
+            random_chains(model, projections)
+            torch.cuda.empty_cache()
+        prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
+                                   generator=torch.Generator().manual_seed(0)).tolist()
+        weight_gb = model.decode_weight_bytes() / 1e9
+        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
+        del model
+        rows.append({"model": model_name, "format": projections, "weight_gb": weight_gb, **stats})
+        on_row(rows[-1])
+    dense = rows[0]
+    for row in rows:
+        row["vs_dense_decode"] = row["decode_tok_s"] / dense["decode_tok_s"]
+        row["vs_dense_prefill"] = dense["prefill_ms"] / row["prefill_ms"]
+    return rows
+
+
+def plot(path: str, rows: list[dict], title: str) -> None:
+    """Speedup over the best torch baseline per case, one column of points per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, bandwidth) = plt.subplots(1, 2, figsize=(11, 4))
+    for position, tokens in enumerate(BATCHES):
+        chosen = [r["speedup"] for r in rows if r["tokens"] == tokens]
+        speed.scatter([position + (k % 9 - 4) * 0.04 for k in range(len(chosen))], chosen, s=10)
+    speed.axhline(WIN_SPEEDUP, color="gray", linestyle="--", label=f"{WIN_SPEEDUP}x")
+    speed.set(xticks=range(len(BATCHES)), xticklabels=[f"B={t}" for t in BATCHES], yscale="log",
+              ylabel="speedup over the best torch baseline", title="KS factor kernel")
+    speed.legend()
+    single = [r for r in rows if r["tokens"] == 1]
+    bandwidth.scatter([r["factor_mb"] for r in single], [r["pct_copy"] for r in single], s=10)
+    bandwidth.axhline(70, color="gray", linestyle="--")
+    bandwidth.set(xscale="log", xlabel="factor MB", ylabel="% of the copy rate", title="B = 1")
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,125 @@
+"""The KS factor kernels (kernels/ksmm, ops.ksmm) against float64 at odd batch sizes, every path on every
+pattern it takes, their refusals, opcheck and CUDA-graph capture of a chain (GPU only)."""
+
+import pytest
+import torch
+
+from minfer import ops
+from minfer.formats.ksmm import KSWeight
+from minfer.sparsity.factorize import monarch_chain
+from tests.conftest import requires_cuda
+from tests.numerics import rel_error
+
+pytestmark = [requires_cuda, pytest.mark.memcheck]  # memcheck: see scripts/device_check.sh
+
+# (a, b, c, d): d = 1, 2, 4, 8, 16, 64 and odd ones, a > 1, b != c, c not a multiple of the 32-wide k tile.
+PATTERNS = [(1, 64, 96, 4), (4, 40, 24, 1), (2, 24, 40, 2), (1, 48, 16, 16), (3, 20, 8, 8), (5, 7, 13, 8),
+            (1, 17, 24, 64), (1, 130, 200, 1), (2, 10, 29, 3), (3, 9, 7, 1)]
+BATCHES = [1, 3, 17, 300]
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def runs_on(path: str, pattern, tokens: int) -> bool:
+    """Whether the kernel `path` takes this shape (aligned tensors). The tensor cores take any batch, so they
+    take a pattern when auto picks them past the bandwidth path's batch."""
+    if path == "rows":
+        return ops.ksmm_path(pattern, tokens) == "rows"
+    if path == "tensor-core":
+        return ops.ksmm_path(pattern, ops.KSMM_ROWS_MAX_TOKENS + 1) == "tensor-core"
+    return True
+
+
+def problem(pattern, tokens, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    a, _, c, d = pattern
+    factor = (torch.randn(pattern, generator=generator) / c**0.5).to(dtype=dtype, device="cuda")
+    x = torch.randn(tokens, a * c * d, generator=generator).to(dtype=dtype, device="cuda")
+    return x, factor
+
+
+def expected64(x, factor):
+    return ops.ksmm_reference(x.double(), factor.double())
+
+
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["auto", "generic", "rows", "tensor-core"])
+@pytest.mark.parametrize("tokens", BATCHES)
+@pytest.mark.parametrize("pattern", PATTERNS, ids=str)
+def test_every_path_matches_float64(pattern, tokens, path, dtype):
+    if not runs_on(path, pattern, tokens):
+        pytest.skip(f"the {path} kernel does not take {pattern} for {tokens} tokens (test_refusals covers it)")
+    x, factor = problem(pattern, tokens, dtype, seed=tokens)
+    a, b, _, d = pattern
+    out = torch.full((tokens, a * b * d), float("nan"), dtype=dtype, device="cuda")
+    ops.ksmm_tuned(x, factor, out, path=path)
+    assert rel_error(out, expected64(x, factor)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("pattern, tokens", [((1, 64, 96, 4), 1), ((1, 48, 16, 64), 5), ((2, 24, 40, 2), 40),
+                                             ((1, 48, 16, 16), 33), ((2, 10, 29, 3), 2)], ids=str)
+def test_small_cases_under_the_sanitizer(pattern, tokens):
+    """Every kernel (rows with one warp and with a block per row, the tensor-core tiles, generic) once."""
+    x, factor = problem(pattern, tokens, torch.float16)
+    assert rel_error(ops.ksmm(x, factor), expected64(x, factor)) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.racecheck
+@pytest.mark.parametrize("pattern, tokens, path", [((1, 16, 1024, 8), 3, "rows"), ((2, 40, 72, 4), 70, "tensor-core"),
+                                                   ((1, 40, 72, 1), 70, "tensor-core")], ids=str)
+def test_shared_memory_kernels(pattern, tokens, path):
+    """Racecheck cases: the rows kernel's cross-warp sums (a block per row) and the tensor-core stages."""
+    x, factor = problem(pattern, tokens, torch.bfloat16)
+    out = ops.ksmm_tuned(x, factor, path=path)
+    assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.memcheck_skip
+def test_refusals():
+    x, factor = problem((1, 8, 8, 2), 17, torch.float16)
+    with pytest.raises(RuntimeError, match="path 2 cannot run the pattern"):
+        ops.ksmm_tuned(x, factor, path="rows")
+    x, factor = problem((2, 10, 29, 3), 4, torch.float16)
+    with pytest.raises(RuntimeError, match="path 3 cannot run the pattern"):
+        ops.ksmm_tuned(x, factor, path="tensor-core")
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.minfer.ksmm(x[:, 1:].contiguous(), factor, x.new_empty(4, 60))
+    x, factor = problem((1, 8, 16, 4), 4, torch.float16)
+    misaligned = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+    assert rel_error(ops.ksmm(misaligned, factor), expected64(x, factor)) < TOLERANCE[torch.float16]  # generic
+    assert ops.ksmm_tuned(x, factor, path="rows").shape == (4, 32)
+    with pytest.raises(RuntimeError, match="path 2 cannot run"):
+        ops.ksmm_tuned(misaligned, factor, path="rows")
+
+
+@pytest.mark.memcheck_skip
+def test_opcheck():
+    x, factor = problem((1, 64, 96, 4), 3, torch.float16)
+    out = x.new_empty(3, 256)
+    torch.library.opcheck(torch.ops.minfer.ksmm, (x, factor, out))
+    for path in (0, 1, 2, 3):
+        torch.library.opcheck(torch.ops.minfer.ksmm_tuned, (x, factor, out, path))
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_chain_forward_runs_the_kernel_and_graph_replays_read_new_inputs(tokens):
+    patterns = monarch_chain((352, 128), 0.5)  # non-square: 128 -> 352
+    generator = torch.Generator().manual_seed(3)
+    chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
+                                   for p in patterns])
+    dense = chain.to_dense()
+    x = torch.randn(tokens, 128, dtype=torch.float16, device="cuda")
+    out = torch.empty(tokens, 352, dtype=torch.float16, device="cuda")
+    chain(x)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(chain(x))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        # fp16 between the factors: the error of two roundings, against the product in float64
+        assert rel_error(out, x.double() @ dense.double().T) < 4e-3
+    with ops.backend("torch"):
+        assert rel_error(chain(x), x.double() @ dense.double().T) < 4e-3
