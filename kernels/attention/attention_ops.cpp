@@ -7,10 +7,10 @@ namespace {
 
 using namespace minfer::binding;
 
-// The shared-memory ring depth pinned (`stages`, decode_attention.h), for tests of every depth.
-void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
-                            int64_t num_splits, int64_t stages) {
+// Checks the tensors and launches; `kept` (null: dense) is the block-sparse layout's decode form.
+void launch_checked(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                    int64_t num_splits, int64_t stages, const minfer::DecodeKeptTiles* kept) {
     MINFER_CHECK(q.is_cuda() && q.dim() == 3 && q.stride(2) == 1,
                 "minfer.decode_attention: q must be a CUDA [B, Hq, D] tensor with a contiguous last dim");
     check_cuda_contiguous(k_cache, "k_cache");
@@ -55,8 +55,41 @@ void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, cons
     minfer::launch_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                                     input_pos.data_ptr<int64_t>(), (float)scale, out.data_ptr(),
                                     workspace.data_ptr<float>(), batch, q_heads, kv_heads, head_dim, max_seq_len,
-                                    (int)num_splits, (int)stages, dtype_of(q), current_stream());
+                                    (int)num_splits, (int)stages, dtype_of(q), current_stream(), kept);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The shared-memory ring depth pinned (`stages`, decode_attention.h), for tests of every depth.
+void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                            int64_t num_splits, int64_t stages) {
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages, nullptr);
+}
+
+// The key tiles' values are not checked here (that would read them back): a tile past the query's is
+// masked by position, and DecodeLayout builds only ascending tiles up to the query's.
+void decode_attention_blocksparse(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                                  int64_t num_splits, const at::Tensor& tile_ptr, const at::Tensor& key_tiles,
+                                  const at::Tensor& head_bits, int64_t layout_groups) {
+    for (const auto* t : {&tile_ptr, &key_tiles, &head_bits}) {
+        check_cuda_contiguous(*t, "the decode layout's arrays");
+        MINFER_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->device() == q.device(),
+                    "minfer.decode_attention_blocksparse: tile_ptr, key_tiles and head_bits must be 1-d int32 on "
+                    "q's device");
+    }
+    MINFER_CHECK(k_cache.dim() == 4, "minfer.decode_attention_blocksparse: caches must be [B, Hkv, S, D]");
+    const int64_t q_tiles = (k_cache.size(2) + minfer::kDecodeAttnKeyTile - 1) / minfer::kDecodeAttnKeyTile;
+    MINFER_CHECK(layout_groups == 1 || layout_groups == k_cache.size(1),
+                "minfer.decode_attention_blocksparse: layout_groups must be 1 or Hkv=", k_cache.size(1), ", got ",
+                layout_groups);
+    MINFER_CHECK(tile_ptr.numel() == layout_groups * q_tiles + 1 && key_tiles.numel() == head_bits.numel(),
+                "minfer.decode_attention_blocksparse: ", layout_groups, " groups over ", q_tiles,
+                " query tiles need tile_ptr of ", layout_groups * q_tiles + 1,
+                " entries and key_tiles, head_bits of one length (build the layout for the cache's length)");
+    const minfer::DecodeKeptTiles kept{tile_ptr.data_ptr<int32_t>(), key_tiles.data_ptr<int32_t>(),
+                                       head_bits.data_ptr<int32_t>(), (int)layout_groups, (int)q_tiles};
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -72,9 +105,13 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
           "Tensor(b!) workspace, int num_splits) -> ()");
     m.def("decode_attention_tuned(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
           "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int stages) -> ()");
+    m.def("decode_attention_blocksparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
+          "Tensor(a!) out, Tensor(b!) workspace, int num_splits, Tensor tile_ptr, Tensor key_tiles, Tensor head_bits, "
+          "int layout_groups) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("decode_attention_tuned", &decode_attention_tuned);
+    m.impl("decode_attention_blocksparse", &decode_attention_blocksparse);
 }

@@ -12,7 +12,10 @@ Each op has three parts kept side by side:
 """
 
 from .attention import (
+    DECODE_ATTENTION_KEY_TILE,
     DECODE_ATTENTION_MAX_SPLITS,
+    blocksparse_decode_attention,
+    blocksparse_decode_attention_reference,
     decode_attention,
     decode_attention_reference,
     decode_attention_splits,
@@ -71,10 +74,11 @@ from .runtime import (
 from .tokens import argmax, argmax_reference, embedding, embedding_reference
 
 __all__ = [
-    "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
+    "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_KEY_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
     "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS", "MACKO_TILE_ROWS",
     "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "blocksparse_attention",
-    "blocksparse_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
+    "blocksparse_attention_reference", "blocksparse_decode_attention",
+    "blocksparse_decode_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
     "check_macko_arrays", "current_backend", "decode_attention", "decode_attention_reference",
     "decode_attention_splits", "decode_attention_supports", "decode_attention_workspace", "embedding",
     "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned", "kernels_run_on", "linear_reference",

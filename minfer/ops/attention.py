@@ -1,5 +1,7 @@
 """Attention over the static KV cache (kernels/attention): split-K flash-decoding with GQA, one query
-token per sequence."""
+token per sequence, over every live position (decode_attention) or over the kept key tiles of a
+block-sparse layout (blocksparse_decode_attention, whose layout arrays come from
+minfer.attention.layouts.DecodeLayout)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ DECODE_ATTENTION_MAX_GROUP = 16  # kDecodeAttnMaxGroup: query heads per KV head
 DECODE_ATTENTION_SPLIT_ROWS = 64  # kDecodeAttnWarps x kDecodeAttnStepRows: a split covers whole rounds of these
 DECODE_ATTENTION_HEAD_DIMS = (64, 128)
 DECODE_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+DECODE_ATTENTION_KEY_TILE = 64  # kDecodeAttnKeyTile: the layout's decode lists count tiles of this many positions
 
 
 def _kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
@@ -45,6 +48,38 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
     scores = scores.masked_fill(~live[:, 0], float("-inf"))
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
+
+
+def blocksparse_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                            input_pos: torch.Tensor, scale: float, tile_ptr: torch.Tensor,
+                                            key_tiles: torch.Tensor, head_bits: torch.Tensor,
+                                            layout_groups: int) -> torch.Tensor:
+    """decode_attention_reference over the positions the layout keeps for the query at input_pos[0]: those
+    of the kept key tiles of its query tile (tiles of DECODE_ATTENTION_KEY_TILE), up to input_pos[0],
+    where query head j of a KV head's group reads a tile only if bit j of its head_bits entry is set. A
+    head that keeps no position gets zeros. Without a host sync: it runs in captured graphs."""
+    batch, q_heads, _ = q.shape
+    kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    q_tiles = -(-max_seq_len // DECODE_ATTENTION_KEY_TILE)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    last = input_pos.reshape(-1)[0].clamp(0, max_seq_len - 1)
+    # Which entries of key_tiles belong to each layout group's list for this query tile.
+    lists = torch.arange(layout_groups, device=q.device) * q_tiles + last // DECODE_ATTENTION_KEY_TILE
+    entry = torch.arange(key_tiles.numel(), device=q.device)
+    in_list = (entry >= tile_ptr[lists, None]) & (entry < tile_ptr[lists + 1, None])  # [groups, nnz]
+    head_keeps = (head_bits[None, :] >> torch.arange(group, device=q.device)[:, None]) & 1  # [G, nnz]
+    kept_entries = (in_list[:, None] & head_keeps.bool()[None]).to(wide)  # [groups, G, nnz]
+    tiles = torch.zeros(layout_groups, group, q_tiles, dtype=wide, device=q.device)
+    tiles.scatter_add_(2, key_tiles.long().expand_as(kept_entries), kept_entries)
+    positions = torch.arange(max_seq_len, device=q.device)
+    kept = (tiles[..., positions // DECODE_ATTENTION_KEY_TILE] > 0) & (positions <= last)  # [groups, G, S]
+    kept = kept.expand(kv_heads, group, max_seq_len).reshape(q_heads, max_seq_len)
+    k = torch.where(kept[None, :, :, None], k_cache.to(wide).repeat_interleave(group, dim=1), 0.0)
+    v = torch.where(kept[None, :, :, None], v_cache.to(wide).repeat_interleave(group, dim=1), 0.0)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
+    weights = scores.masked_fill(~kept[None], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhs,bhsd->bhd", weights, v).to(q.dtype)
 
 
 def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str) -> int:
@@ -92,6 +127,12 @@ def _decode_attention_tuned_fake(q, k_cache, v_cache, input_pos, scale, out, wor
     return None
 
 
+@fake_impl("minfer::decode_attention_blocksparse")
+def _decode_attention_blocksparse_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, tile_ptr,
+                                       key_tiles, head_bits, layout_groups):
+    return None
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
                      scale: float, out: torch.Tensor | None = None,
                      workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,3 +159,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.copy_(decode_attention_reference(q, k_cache, v_cache, input_pos, scale))
     return out
 
+
+
+def blocksparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 input_pos: torch.Tensor, scale: float, tile_ptr: torch.Tensor, key_tiles: torch.Tensor,
+                                 head_bits: torch.Tensor, layout_groups: int, out: torch.Tensor | None = None,
+                                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention over the kept key tiles only (blocksparse_decode_attention_reference says which).
+
+    The layout arrays (minfer.attention.layouts.DecodeLayout, built for the cache's max_seq_len) live on
+    q's device; the kernel finds the query tile's list from input_pos on the device, and its splits share
+    the kept tiles, so one captured launch serves every position. A workspace sized for the most kept
+    positions of any query tile (decode_attention_workspace with that length) keeps every split busy.
+    """
+    q_tiles = -(-k_cache.shape[2] // DECODE_ATTENTION_KEY_TILE)
+    if layout_groups not in (1, k_cache.shape[1]) or tile_ptr.numel() != layout_groups * q_tiles + 1:
+        raise MinferError(f"the decode layout ({layout_groups} groups, {tile_ptr.numel()} list bounds) does not fit a "
+                          f"cache of {k_cache.shape[1]} KV heads and {k_cache.shape[2]} positions; build it for them")
+    if out is None:
+        out = q.new_empty(q.shape)
+    if use_kernels(q) and decode_attention_supports(q.dtype, q.shape[1], k_cache.shape[1], q.shape[-1]):
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+        if workspace is None:
+            workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device)
+        splits = _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
+        torch.ops.minfer.decode_attention_blocksparse(q, k_cache, v_cache, input_pos, scale, out, workspace, splits,
+                                                      tile_ptr, key_tiles, head_bits, layout_groups)
+    else:
+        out.copy_(blocksparse_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, tile_ptr, key_tiles,
+                                                         head_bits, layout_groups))
+    return out
