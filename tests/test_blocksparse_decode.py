@@ -32,9 +32,11 @@ def layout_for(name: str, q_heads: int, kv_heads: int, max_seq_len: int, block_s
 
 
 def kept_positions(packed, q_heads: int, position: int) -> torch.Tensor:
-    """[Hq, S] keys query `position` sees in prefill: row `position` of the layout's token mask."""
-    mask = ops.blocksparse_token_mask(packed.tile_ptr, packed.key_tiles, packed.heads, packed.seq_len)[:, position]
-    return mask.expand(q_heads, -1)
+    """[Hq, S] keys query `position` sees in prefill: row `position` of the layout's token mask
+    (ops.blocksparse_token_mask, built here for that row only)."""
+    keys = torch.arange(packed.seq_len)
+    row = packed.tile_layout()[:, position // KERNEL_TILE, keys // KERNEL_TILE] & (keys <= position)
+    return row.expand(q_heads, -1)
 
 
 def oracle64(q, k_cache, v_cache, kept: torch.Tensor, scale: float) -> torch.Tensor:
@@ -57,8 +59,12 @@ def run(q, k_cache, v_cache, position, scale, layout, workspace=None, out=None):
 # ---- the decode form and the reference (CPU) ----
 
 
-def test_decode_tile_is_the_layout_tile():
+def test_decode_tile_is_the_layout_tile_and_the_oracle_row_is_the_token_mask_row():
     assert ops.DECODE_ATTENTION_KEY_TILE == KERNEL_TILE
+    packed = compact(build_layout("bigbird:window=64,global=64,random=2,seed=1", 4, 300, 64), 300, 64)
+    mask = ops.blocksparse_token_mask(packed.tile_ptr, packed.key_tiles, packed.heads, packed.seq_len)
+    for position in (0, 64, 130, 299):
+        assert torch.equal(kept_positions(packed, 4, position), mask[:, position])
 
 
 def test_per_head_layout_becomes_the_group_union_with_head_bits():
