@@ -1,8 +1,9 @@
-"""Block-sparse decode: the layout's decode form (union per KV group, head bits), the reference against a
+"""Block-sparse decode: the layout's decode form (union per KV group, head bits), the references against a
 float64 oracle built from the prefill mask (decode at position p attends as prefill row p does), and the
-split-K kernel over the kept tiles: every named layout at odd lengths, GQA and MHA, heads of a group
-with different tiles, a query with no kept tile, every split count, the newest row written by the
-kernel right before, CUDA-graph replay as the position advances, and opcheck."""
+split-K kernel over the kept tiles, listed or (sink-window) computed from the position: every named layout
+at odd lengths, GQA and MHA, heads of a group with different tiles, a query with no kept tile, every split
+count, the newest row written by the kernel right before, CUDA-graph replay as the position advances, and
+opcheck."""
 
 import dataclasses
 import math
@@ -12,7 +13,7 @@ import torch
 
 from minfer import ops
 from minfer.attention import attention_class
-from minfer.attention.layouts import KERNEL_TILE, build_layout, compact, decode_layout
+from minfer.attention.layouts import KERNEL_TILE, build_layout, compact, decode_layout, parse_layout
 from minfer.errors import MinferError
 from minfer.kv_cache import KVCache
 from tests.conftest import requires_cuda
@@ -28,7 +29,7 @@ TOLERANCE = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
 def layout_for(name: str, q_heads: int, kv_heads: int, max_seq_len: int, block_size: int = 64, device="cpu"):
     """(prefill compact form, decode form) of a named layout over the whole cache."""
     packed = compact(build_layout(name, q_heads, max_seq_len, block_size), max_seq_len, block_size)
-    return packed, decode_layout(packed, kv_heads).to(device)
+    return packed, decode_layout(packed, kv_heads, parse_layout(name)).to(device)
 
 
 def kept_positions(packed, q_heads: int, position: int) -> torch.Tensor:
@@ -50,10 +51,9 @@ def oracle64(q, k_cache, v_cache, kept: torch.Tensor, scale: float) -> torch.Ten
     return torch.einsum("bhs,bhsd->bhd", weights, torch.where(kept[None, :, :, None], v, 0.0))
 
 
-def run(q, k_cache, v_cache, position, scale, layout, workspace=None, out=None):
+def run(q, k_cache, v_cache, position, scale, layout, workspace=None, out=None, listed=False):
     pos = torch.tensor([position], device=q.device)
-    return ops.blocksparse_decode_attention(q, k_cache, v_cache, pos, scale, layout.tile_ptr, layout.key_tiles,
-                                            layout.head_bits, layout.groups, out=out, workspace=workspace)
+    return layout.attend(q, k_cache, v_cache, pos, scale, out, workspace, listed)
 
 
 # ---- the decode form and the reference (CPU) ----
@@ -82,7 +82,30 @@ def test_per_head_layout_becomes_the_group_union_with_head_bits():
                 rebuilt[g, j, i, keys] = ((layout.head_bits[lo:hi] >> j) & 1).bool()
     assert torch.equal(rebuilt, tiles)
     shared = layout_for("sink-window:sink=64,window=64", q_heads, kv_heads, seq_len)[1]
-    assert shared.groups == 1 and torch.all(shared.head_bits == -1)
+    assert shared.groups == 1 and torch.all(shared.head_bits == -1) and shared.sink_window == (64, 64, 64)
+    assert layout_for("strided:local=64,stride=128", q_heads, kv_heads, seq_len)[1].sink_window is None
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("sink, window", [(0, 1), (70, 130), (64, 64), (300, 10), (1, 2000), (128, 2048)])
+def test_sink_window_from_the_position_is_the_listed_layout(sink, window, block_size):
+    max_seq_len = 1111
+    name = f"sink-window:sink={sink},window={window}"
+    layout = layout_for(name, 4, 2, max_seq_len, block_size)[1]
+    q = torch.randn(1, 4, 8, dtype=torch.float64)
+    k_cache = torch.randn(1, 2, max_seq_len, 8, dtype=torch.float64)
+    v_cache = torch.randn_like(k_cache)
+    for position in range(0, max_seq_len, 37):
+        computed = run(q, k_cache, v_cache, position, 0.5, layout)
+        listed = run(q, k_cache, v_cache, position, 0.5, layout, listed=True)
+        assert torch.equal(computed, listed) or rel_error(computed, listed) < 1e-14, position
+
+
+def test_sink_window_decode_refuses_a_bad_block():
+    q = torch.randn(1, 4, 8)
+    cache = torch.randn(1, 2, 100, 8)
+    with pytest.raises(MinferError, match="multiple of 64"):
+        ops.sink_window_decode_attention(q, cache, cache, torch.tensor([5]), 0.1, 0, 64, 100)
 
 
 @pytest.mark.parametrize("name", NAMED)
@@ -172,12 +195,26 @@ def test_kernel_matches_float64_oracle(name, shape, dtype):
     for position in (0, 17, 127, 128, max_seq_len // 2 + 1, max_seq_len - 1):
         q, k_cache, v_cache, kept = gpu_problem(batch, q_heads, kv_heads, head_dim, max_seq_len, position, dtype,
                                                 packed, seed=position)
-        out = torch.full_like(q, float("nan"))
-        run(q, k_cache, v_cache, position, 1 / math.sqrt(head_dim), layout, workspace, out)
-        assert not out.isnan().any(), position
         expected = oracle64(q, k_cache, v_cache, kept, 1 / math.sqrt(head_dim))
-        assert rel_error(out, expected) < TOLERANCE[dtype], position
-        assert counters_at_rest(workspace, batch, kv_heads)
+        for listed in (False, True) if layout.sink_window else (False,):
+            out = torch.full_like(q, float("nan"))
+            run(q, k_cache, v_cache, position, 1 / math.sqrt(head_dim), layout, workspace, out, listed)
+            assert not out.isnan().any(), (position, listed)
+            assert rel_error(out, expected) < TOLERANCE[dtype], (position, listed)
+            assert counters_at_rest(workspace, batch, kv_heads)
+
+
+@requires_cuda
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("sink, window", [(0, 1), (70, 130), (300, 10), (128, 2048)])
+def test_kernel_sink_window_from_the_position_at_every_offset(sink, window, block_size):
+    max_seq_len = 2600
+    packed, layout = layout_for(f"sink-window:sink={sink},window={window}", 8, 2, max_seq_len, block_size, "cuda")
+    workspace = ops.decode_attention_workspace(1, 8, 2, 128, layout.most_kept_positions(), "cuda")
+    for position in list(range(0, 300, 13)) + [1023, 1024, 2047, 2048, 2599]:
+        q, k_cache, v_cache, kept = gpu_problem(1, 8, 2, 128, max_seq_len, position, torch.float16, packed)
+        out = run(q, k_cache, v_cache, position, 0.125, layout, workspace)
+        assert rel_error(out, oracle64(q, k_cache, v_cache, kept, 0.125)) < TOLERANCE[torch.float16], position
 
 
 @requires_cuda
@@ -214,8 +251,9 @@ def test_every_split_count(num_splits):
 
 
 @requires_cuda
+@pytest.mark.parametrize("listed", [False, True], ids=["from-position", "listed"])
 @pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=[pytest.mark.memcheck, pytest.mark.racecheck])])
-def test_newest_row_from_the_kernel_right_before_and_graph_replay(head_dim):
+def test_newest_row_from_the_kernel_right_before_and_graph_replay(head_dim, listed):
     """Captured once, replayed as the position advances over tile boundaries: each replay NaNs the newest
     row, then rope_write_kv rewrites it right before the attention (which reads it after the PDL wait)."""
     batch, q_heads, kv_heads, max_seq_len = 1, 32, 8, 1200
@@ -237,8 +275,7 @@ def test_newest_row_from_the_kernel_right_before_and_graph_replay(head_dim):
         k_cache.index_fill_(2, pos, float("nan"))
         v_cache.index_fill_(2, pos, float("nan"))
         ops.rope_write_kv(q_new, k_new, v_new, cos, sin, pos, k_cache, v_cache)
-        ops.blocksparse_decode_attention(q_new[:, 0], k_cache, v_cache, pos, 0.1, layout.tile_ptr, layout.key_tiles,
-                                         layout.head_bits, layout.groups, out=out, workspace=workspace)
+        layout.attend(q_new[:, 0], k_cache, v_cache, pos, 0.1, out, workspace, listed)
 
     step()  # warm-up outside capture
     graph = torch.cuda.CUDAGraph()
@@ -266,6 +303,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.minfer.decode_attention_blocksparse.default,
                           (q, k_cache, v_cache, pos, 0.1, out, workspace, 5, layout.tile_ptr, layout.key_tiles,
                            layout.head_bits, layout.groups))
+    torch.library.opcheck(torch.ops.minfer.decode_attention_sink_window.default,
+                          (q, k_cache, v_cache, pos, 0.1, out, workspace, 5, 64, 300, 128))
 
 
 @requires_cuda
@@ -281,9 +320,6 @@ def test_backend_decode_runs_the_kernel_and_matches_the_reference():
     position = torch.tensor([800], device="cuda")
     with backend.forward_pass(position, 1, 900) as step:
         out = backend.decode(q, cache, step)
-    layout = backend.decode_layout
-    expected = ops.blocksparse_decode_attention_reference(q[:, 0].double(), cache.k_cache.double(),
-                                                          cache.v_cache.double(), position, backend.scale,
-                                                          layout.tile_ptr, layout.key_tiles, layout.head_bits,
-                                                          layout.groups)
+    expected = ops.sink_window_decode_attention_reference(q[:, 0].double(), cache.k_cache.double(),
+                                                          cache.v_cache.double(), position, backend.scale, 64, 128, 64)
     assert rel_error(out[:, 0], expected) < TOLERANCE[torch.float16]

@@ -88,7 +88,24 @@ void decode_attention_blocksparse(const at::Tensor& q, const at::Tensor& k_cache
                 " query tiles need tile_ptr of ", layout_groups * q_tiles + 1,
                 " entries and key_tiles, head_bits of one length (build the layout for the cache's length)");
     const minfer::DecodeKeptTiles kept{tile_ptr.data_ptr<int32_t>(), key_tiles.data_ptr<int32_t>(),
-                                       head_bits.data_ptr<int32_t>(), (int)layout_groups, (int)q_tiles};
+                                       head_bits.data_ptr<int32_t>(), (int)layout_groups, (int)q_tiles, 0, 0, 0};
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
+}
+
+// The sink-window layout (sizes in tokens, layout blocks of block_size), its tiles found from the position.
+void decode_attention_sink_window(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                                  int64_t num_splits, int64_t sink, int64_t window, int64_t block_size) {
+    constexpr int64_t tile = minfer::kDecodeAttnKeyTile;
+    MINFER_CHECK(block_size >= tile && block_size % tile == 0 && block_size <= (1 << 20),
+                "minfer.decode_attention_sink_window: block_size must be a multiple of ", tile, ", got ", block_size);
+    MINFER_CHECK(sink >= 0 && sink <= (1 << 30) && window >= 1 && window <= (1 << 30),
+                "minfer.decode_attention_sink_window: sink >= 0 and window >= 1 tokens, got sink=", sink,
+                ", window=", window);
+    const int64_t block_tiles = block_size / tile;
+    const minfer::DecodeKeptTiles kept{nullptr, nullptr, nullptr, 1, 0,
+                                       (int)((sink + block_size - 1) / block_size * block_tiles), (int)window,
+                                       (int)block_tiles};
     launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
 }
 
@@ -108,10 +125,13 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("decode_attention_blocksparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
           "Tensor(a!) out, Tensor(b!) workspace, int num_splits, Tensor tile_ptr, Tensor key_tiles, Tensor head_bits, "
           "int layout_groups) -> ()");
+    m.def("decode_attention_sink_window(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
+          "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int sink, int window, int block_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("decode_attention_tuned", &decode_attention_tuned);
     m.impl("decode_attention_blocksparse", &decode_attention_blocksparse);
+    m.impl("decode_attention_sink_window", &decode_attention_sink_window);
 }

@@ -5,8 +5,9 @@
 // reuses S's accumulator layout as the A operand. Warps merge in shared memory, splits through the
 // workspace: the last block of each KV head to finish (an arrival counter) does the final merge.
 // The first ring steps are issued before the PDL wait, so the loads overlap the previous kernels.
-// Block-sparse decode (kSparse) runs the same loop over "rows" that are the kept key tiles laid end to
-// end: a 16-row step never crosses a tile, so each step maps to one physical run of 16 positions.
+// Block-sparse decode (kMode kListedTiles or kSinkWindow) runs the same loop over "rows" that are the kept
+// key tiles laid end to end: a 16-row step never crosses a tile, so each step maps to one physical run of 16
+// positions. Sink-window finds its tiles by arithmetic on the position: no list loads in the dependent chain.
 #include "decode_attention.h"
 #include "common/device_utils.cuh"
 
@@ -23,6 +24,7 @@ constexpr int kWarps = kDecodeAttnWarps;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRoundRows = kRows * kWarps;   // a block's share is a multiple of this
 constexpr int kKeyTile = kDecodeAttnKeyTile;
+enum KeptMode { kDense, kListedTiles, kSinkWindow };
 static_assert(kKeyTile % kRows == 0 && kKeyTile % kRoundRows == 0, "steps and shares must not cross a key tile");
 // Default K/V ring per warp: 4 steps at D 128, 8 at D 64. Since the first ring steps are issued
 // before the PDL wait, the H200 sweep (docs/perf-notes.md, the 2026-11-22 ca3ebae entry) found 4 steps at D 128 faster
@@ -55,10 +57,11 @@ struct AttnParams {
     float scale_log2;  // softmax scale * log2(e): scores are kept in base 2
 };
 
-template <typename T, int D, bool kSparse>
+template <typename T, int D, int kMode>
 __global__ void __launch_bounds__(kThreads)
     decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* input_pos,
                             T* __restrict__ out, float* workspace, AttnParams p, DecodeKeptTiles kept) {
+    constexpr bool kSparse = kMode != kDense;
     constexpr int kElemsPer16B = 16 / sizeof(T);
     constexpr int kChunks = D / kElemsPer16B;  // 16-byte chunks per K/V row
     constexpr int kKSteps = D / 16;            // mma k-steps over the head dim (S = Q K^T)
@@ -88,7 +91,18 @@ __global__ void __launch_bounds__(kThreads)
     int64_t rows = live, newest_row = newest;
     const int32_t* tiles = nullptr;
     const int32_t* bits = nullptr;
-    if constexpr (kSparse) {
+    int sink_count = 0, window_first = 0;  // sink-window: tiles [0, sink_count), then [window_first, q_tile]
+    if constexpr (kMode == kSinkWindow) {
+        const int q_tile = (int)(newest / kKeyTile);
+        const int64_t block = (int64_t)kept.block_tiles * kKeyTile;
+        // The first key block holding one of the last `window` tokens before the block's first query.
+        const int64_t reach = (q_tile / kept.block_tiles) * block - kept.window + 2 - block;
+        window_first = (reach <= 0 ? 0 : (int)((reach + block - 1) / block)) * kept.block_tiles;
+        sink_count = min(kept.sink_tiles, window_first);
+        rows = (int64_t)(sink_count + q_tile - window_first + 1) * kKeyTile;
+        newest_row = rows - kKeyTile + newest % kKeyTile;
+    }
+    if constexpr (kMode == kListedTiles) {
         const int q_tile = (int)(newest / kKeyTile);
         const int list = (kept.groups == 1 ? 0 : h) * kept.q_tiles + q_tile;
         const int first = kept.tile_ptr[list], n_kept = kept.tile_ptr[list + 1] - first;
@@ -111,10 +125,14 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t end = min(begin + share, rows);
     // The cache position of row `row` (the first of a step: the step's 16 positions follow it).
     auto position = [&](int64_t row) -> int64_t {
-        if constexpr (kSparse)
+        if constexpr (kMode == kListedTiles) {
             return (int64_t)tiles[row / kKeyTile] * kKeyTile + row % kKeyTile;
-        else
+        } else if constexpr (kMode == kSinkWindow) {
+            const int tile = (int)(row / kKeyTile);
+            return (int64_t)(tile < sink_count ? tile : window_first + tile - sink_count) * kKeyTile + row % kKeyTile;
+        } else {
             return row;
+        }
     };
 
     const int64_t head_offset = ((int64_t)b * p.kv_heads + h) * p.max_seq_len * D;
@@ -208,10 +226,8 @@ __global__ void __launch_bounds__(kThreads)
         // Sparse: a row's positions count up to the newest, and only for the heads whose bit keeps the tile.
         int64_t last_row = end - 1;
         int head_bits = -1;
-        if constexpr (kSparse) {
-            last_row = min(last_row, row0 + (newest - position(row0)));
-            head_bits = bits[row0 / kKeyTile];
-        }
+        if constexpr (kSparse) last_row = min(last_row, row0 + (newest - position(row0)));
+        if constexpr (kMode == kListedTiles) head_bits = bits[row0 / kKeyTile];
 
         // S = Q K^T over 16 positions: n-tile 0 holds positions 0-7, n-tile 1 positions 8-15.
         float s[2][4] = {};
@@ -377,7 +393,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) counters[b * p.kv_heads + h] = 0;  // at rest again for the next launch
 }
 
-template <typename T, int D, bool kSparse>
+template <typename T, int D, int kMode>
 void launch_typed(const void* q, const void* k_cache, const void* v_cache, const int64_t* input_pos, void* out,
                   float* workspace, int batch, int splits, int stages, const AttnParams& base,
                   const DecodeKeptTiles& kept, cudaStream_t stream) {
@@ -389,7 +405,7 @@ void launch_typed(const void* q, const void* k_cache, const void* v_cache, const
     const int wanted = stages > 0 ? stages : kWarpRingBytes / kStageBytes;
     p.stages = std::max(2, std::min({wanted, kMaxStages, max_smem / (kWarps * kStageBytes)}));
     const int smem = kWarps * p.stages * kStageBytes;
-    const auto kernel = decode_attention_kernel<T, D, kSparse>;
+    const auto kernel = decode_attention_kernel<T, D, kMode>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     launch_with_pdl(kernel, dim3(splits, p.kv_heads, batch), dim3(kThreads), smem, stream, true,
                     static_cast<const T*>(q), static_cast<const T*>(k_cache), static_cast<const T*>(v_cache),
@@ -401,17 +417,22 @@ void launch_dim(int64_t head_dim, const void* q, const void* k_cache, const void
                 void* out, float* workspace, int batch, int splits, int stages, const AttnParams& p,
                 const DecodeKeptTiles* kept, cudaStream_t stream) {
     const DecodeKeptTiles tiles = kept ? *kept : DecodeKeptTiles{};
-    const auto launch = [&](auto dim, auto sparse) {
-        launch_typed<T, decltype(dim)::value, decltype(sparse)::value>(q, k_cache, v_cache, input_pos, out, workspace,
-                                                                       batch, splits, stages, p, tiles, stream);
+    const auto launch = [&](auto dim, auto mode) {
+        launch_typed<T, decltype(dim)::value, decltype(mode)::value>(q, k_cache, v_cache, input_pos, out, workspace,
+                                                                     batch, splits, stages, p, tiles, stream);
     };
-    using Dense = std::false_type;
-    using Sparse = std::true_type;
+    const auto with_mode = [&](auto dim) {
+        if (!kept)
+            launch(dim, std::integral_constant<int, kDense>{});
+        else if (kept->tile_ptr)
+            launch(dim, std::integral_constant<int, kListedTiles>{});
+        else
+            launch(dim, std::integral_constant<int, kSinkWindow>{});
+    };
     if (head_dim == 64)
-        kept ? launch(std::integral_constant<int, 64>{}, Sparse{}) : launch(std::integral_constant<int, 64>{}, Dense{});
+        with_mode(std::integral_constant<int, 64>{});
     else
-        kept ? launch(std::integral_constant<int, 128>{}, Sparse{})
-             : launch(std::integral_constant<int, 128>{}, Dense{});
+        with_mode(std::integral_constant<int, 128>{});
 }
 
 }  // namespace

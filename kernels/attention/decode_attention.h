@@ -11,16 +11,20 @@ constexpr int kDecodeAttnWarps = 4;
 constexpr int kDecodeAttnMaxSplits = 256;
 constexpr int kDecodeAttnMaxGroup = 16;
 
-// Block-sparse decode reads the layout's decode form (minfer/attention/layouts.py, DecodeLayout): for
-// layout group g (0 when groups == 1, else the KV head) and query tile t of kDecodeAttnKeyTile positions,
-// the kept key tiles key_tiles[tile_ptr[g * q_tiles + t] .. tile_ptr[g * q_tiles + t + 1]) in ascending
-// order, and head_bits of the same range: bit j set when query head j of the group keeps that tile.
+// The kept key tiles of block-sparse decode, for query tile t of kDecodeAttnKeyTile positions. Either
+// listed (tile_ptr set): the layout's decode form (minfer/attention/layouts.py, DecodeLayout): for layout
+// group g (0 when groups == 1, else the KV head), key_tiles[tile_ptr[g * q_tiles + t] .. tile_ptr[g * q_tiles
+// + t + 1]) in ascending order, and head_bits of the same range: bit j set when query head j of the group
+// keeps that tile. Or (tile_ptr null) the sink-window layout computed from t: for layout blocks of
+// block_tiles tiles, the first sink_tiles tiles and the tiles of every block holding one of the last
+// `window` tokens before some query of t's block, up to t (layouts.py's sink-window, tile by tile).
 constexpr int kDecodeAttnKeyTile = 64;
 struct DecodeKeptTiles {
     const int32_t* tile_ptr;
     const int32_t* key_tiles;
     const int32_t* head_bits;
     int groups, q_tiles;
+    int sink_tiles, window, block_tiles;
 };
 
 // Floats the workspace needs: per-(batch, KV head) arrival counters (int32 bits, zero at rest),

@@ -1,10 +1,11 @@
 """Block-sparse attention: queries visit only the kept key tiles of a layout (layouts.py).
 
 Prefill runs ops.blocksparse_attention over the layout's compact form, built once per prompt length and
-device (layouts.compact_layout caches it). Decode runs ops.blocksparse_decode_attention over the decode
-form of the layout built once for the whole cache (`DecodeLayout`): the split-K decode kernel finds the
-kept tiles of the query tile holding the position on the device, so a captured step stays valid as the
-context grows, and its splits share only those tiles. Heads of one KV group whose kept tiles differ
+device (layouts.compact_layout caches it). Decode runs the split-K decode kernel over the decode form of
+the layout built once for the whole cache (`DecodeLayout.attend`): the kernel finds the kept tiles of the
+query tile holding the position on the device (sink-window by arithmetic on the position, other layouts
+from the lists), so a captured step stays valid as the context grows, and its splits share only those
+tiles. Heads of one KV group whose kept tiles differ
 (bigbird, per-head file layouts) read the union of the group's tiles once, each head masking the tiles
 it does not keep. The layout decode uses is the one built for the whole cache: for bigbird, whose random
 blocks depend on the length, a prompt's prefill (built for the prompt's length) may draw other random
@@ -34,7 +35,7 @@ class BlockSparseAttention(AttentionBackend):
         self.heads = config.num_heads
         self.device = device
         # Built here for the whole cache so a bad block size or a file layout too small fails at setup.
-        self.decode_layout = decode_layout(self.compact(max_seq_len), config.num_kv_heads)
+        self.decode_layout = decode_layout(self.compact(max_seq_len), config.num_kv_heads, self.layout)
         self.workspace = None
         if ops.kernels_run_on(device) and ops.decode_attention_supports(dtype, config.num_heads, config.num_kv_heads,
                                                                         config.head_dim):
@@ -56,8 +57,6 @@ class BlockSparseAttention(AttentionBackend):
         return out
 
     def decode(self, q: torch.Tensor, cache: KVCache, step: AttentionPass) -> torch.Tensor:
-        layout = self.decode_layout
-        out = ops.blocksparse_decode_attention(q[:, 0], cache.k_cache, cache.v_cache, step.input_pos, self.scale,
-                                               layout.tile_ptr, layout.key_tiles, layout.head_bits, layout.groups,
-                                               workspace=self.workspace)
+        out = self.decode_layout.attend(q[:, 0], cache.k_cache, cache.v_cache, step.input_pos, self.scale,
+                                        workspace=self.workspace)
         return out.unsqueeze(1)

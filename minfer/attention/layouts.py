@@ -29,7 +29,8 @@ import torch
 
 from ..errors import MinferError
 from ..ops import BLOCKSPARSE_TILE as KERNEL_TILE
-from ..ops import blocksparse_attention, blocksparse_tiles
+from ..ops import (blocksparse_attention, blocksparse_decode_attention, blocksparse_tiles,
+                   sink_window_decode_attention)
 
 BLOCK_SIZES = (64, 128)
 MAX_SEQ_LEN = 1 << 20
@@ -274,13 +275,15 @@ class DecodeLayout:
     set when query head j of the group keeps that tile. A layout shared by all heads has one group (every
     bit set); a per-head layout has one group per KV head, listing the union of its query heads' tiles,
     so each K/V tile is read once for the whole group and heads that do not keep it mask it out.
-    int32 tensors."""
+    int32 tensors. A sink-window layout also keeps its (sink, window, block_size): its kernel computes the
+    same tiles from the position instead of reading the lists."""
 
     tile_ptr: torch.Tensor
     key_tiles: torch.Tensor
     head_bits: torch.Tensor
     groups: int
     seq_len: int
+    sink_window: tuple[int, int, int] | None = None
 
     @property
     def q_tiles(self) -> int:
@@ -292,15 +295,29 @@ class DecodeLayout:
 
     def to(self, device: torch.device | str) -> DecodeLayout:
         return DecodeLayout(self.tile_ptr.to(device), self.key_tiles.to(device), self.head_bits.to(device),
-                            self.groups, self.seq_len)
+                            self.groups, self.seq_len, self.sink_window)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+               scale: float, out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+               listed: bool = False) -> torch.Tensor:
+        """Decode attention of q [B, Hq, D] at position input_pos over caches of seq_len positions with this
+        layout (sink-window through its own kernel path unless `listed`, a knob for benchmarks)."""
+        if self.sink_window is not None and not listed:
+            return sink_window_decode_attention(q, k_cache, v_cache, input_pos, scale, *self.sink_window, out=out,
+                                                workspace=workspace)
+        return blocksparse_decode_attention(q, k_cache, v_cache, input_pos, scale, self.tile_ptr, self.key_tiles,
+                                            self.head_bits, self.groups, out=out, workspace=workspace)
 
 
-def decode_layout(packed: CompactLayout, kv_heads: int) -> DecodeLayout:
+def decode_layout(packed: CompactLayout, kv_heads: int, spec: LayoutSpec | None = None) -> DecodeLayout:
     """The decode form of a compact layout for attention with `kv_heads` KV heads (query heads are the
-    layout's heads when it has more than one)."""
+    layout's heads when it has more than one); `spec`, the layout it was built from, names a sink-window."""
     if packed.heads == 1:
+        sink_window = None
+        if spec is not None and spec.name == "sink-window":
+            sink_window = (spec.params["sink"], spec.params["window"], packed.block_size)
         return DecodeLayout(packed.tile_ptr, packed.key_tiles, torch.full_like(packed.key_tiles, -1), 1,
-                            packed.seq_len)
+                            packed.seq_len, sink_window)
     if packed.heads % kv_heads:
         raise LayoutError(f"a layout of {packed.heads} heads does not split into {kv_heads} KV head groups")
     group = packed.heads // kv_heads

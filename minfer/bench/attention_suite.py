@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..attention.layouts import KERNEL_TILE, DecodeLayout, build_layout, compact, decode_layout
+from ..attention.layouts import KERNEL_TILE, DecodeLayout, build_layout, compact, decode_layout, parse_layout
 from .report import Column
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
@@ -56,6 +56,7 @@ DECODE_COLUMNS = [
     Column("read", "read", "{:.3f}"),
     Column("kv_mb", "KV MB read", "{:.1f}"),
     Column("floor_us", "floor us", "{:.1f}"),
+    Column("copy_us", "same-bytes copy us", "{:.1f}"),
     Column("minfer_us", "minfer us", "{:.1f}"),
     Column("pct_copy", "% copy", "{:.0f}"),
     Column("sdpa_us", "SDPA dense us", "{:.1f}"),
@@ -156,6 +157,16 @@ def decode_kv_bytes(layout: DecodeLayout, seq_len: int, kv_heads: int, element_s
     return positions * (kv_heads // layout.groups) * HEAD_DIM * 2 * element_size
 
 
+def same_bytes_copy_us(nbytes: int, dtype: torch.dtype) -> float:
+    """Microseconds of the copy kernel that defines the copy rate (copy_bandwidth_gbs) moving `nbytes` in all
+    (half read, half written), rotated past L2: the fixed costs a launch of that size carries."""
+    elements = max(nbytes // 2 // torch.empty((), dtype=dtype).element_size(), 1)
+    copies = rotation_count(nbytes)
+    sources = [torch.randn(elements, device="cuda").to(dtype) for _ in range(copies)]
+    target = torch.empty_like(sources[0])
+    return time_graph(lambda i: torch.mul(sources[i], 1.0, out=target), copies=copies, replays=10) * 1e3
+
+
 def flex_decode_block_mask(layout: torch.Tensor, seq_len: int):
     """FlexAttention's BlockMask for one query at position seq_len - 1: the layout's row of that query's
     block, every kept block full (each key before the query is visible)."""
@@ -173,7 +184,7 @@ def decode_rows(seq_len: int, dtype: torch.dtype, copy_gbs: float, flex: Callabl
     kv_heads, element = DECODE_KV_HEADS, torch.empty((), dtype=dtype).element_size()
     cache_bytes = 2 * kv_heads * seq_len * HEAD_DIM * element
     layouts = {name: build_layout(name, HEADS, seq_len, BLOCK_SIZE) for name in DECODE_LAYOUTS}
-    forms = {name: decode_layout(compact(layout, seq_len, BLOCK_SIZE), kv_heads).to("cuda")
+    forms = {name: decode_layout(compact(layout, seq_len, BLOCK_SIZE), kv_heads, parse_layout(name)).to("cuda")
              for name, layout in layouts.items()}
     read = {name: decode_kv_bytes(form, seq_len, kv_heads, element) for name, form in forms.items()}
     copies = rotation_count(min(read.values()))  # every case cycles through copies that overflow L2
@@ -194,20 +205,21 @@ def decode_rows(seq_len: int, dtype: torch.dtype, copy_gbs: float, flex: Callabl
     for name, form in forms.items():
         most = form.most_kept_positions()
 
-        def minfer_decode(splits: int | None = None):
+        def minfer_decode(splits: int | None = None, listed: bool = False):
             workspace = ops.decode_attention_workspace(1, HEADS, kv_heads, HEAD_DIM, most, "cuda", splits)
             if name == "dense":
                 return lambda i: ops.decode_attention(q, k_caches[i], v_caches[i], position, scale, out, workspace)
-            return lambda i: ops.blocksparse_decode_attention(q, k_caches[i], v_caches[i], position, scale,
-                                                              form.tile_ptr, form.key_tiles, form.head_bits,
-                                                              form.groups, out, workspace)
+            return lambda i: form.attend(q, k_caches[i], v_caches[i], position, scale, out, workspace, listed)
 
         minfer_us = timed(minfer_decode())
         row = {"layout": name, "seq_len": seq_len, "kv_heads": kv_heads, "read": read[name] / cache_bytes,
-               "kv_mb": read[name] / 1e6, "floor_us": read[name] / (copy_gbs * 1e3), "minfer_us": minfer_us,
+               "kv_mb": read[name] / 1e6, "floor_us": read[name] / (copy_gbs * 1e3),
+               "copy_us": same_bytes_copy_us(read[name], dtype), "minfer_us": minfer_us,
                "pct_copy": 100 * read[name] / (copy_gbs * 1e3) / minfer_us, "sdpa_us": sdpa_us,
                "vs_sdpa": sdpa_us / minfer_us,
                "splits": ops.decode_attention_splits(1, kv_heads, most, "cuda")}
+        if form.sink_window is not None:
+            row["listed_us"] = timed(minfer_decode(listed=True))
         if name == DECODE_LAYOUTS[1] and seq_len == max(LENGTHS):
             for factor in DECODE_SPLIT_FACTORS:
                 splits = min(row["splits"] * factor, ops.DECODE_ATTENTION_MAX_SPLITS)
@@ -286,6 +298,9 @@ def print_decode_report(env: dict, rows: list[dict], dtype_name: str) -> None:
         if tried:
             print(f"decode {row['layout']} {row['seq_len']}: {row['splits']} splits (default) {row['minfer_us']:.1f} "
                   "us; " + "; ".join(f"{key.split('_')[1]} splits {value:.1f} us" for key, value in tried.items()))
+        if "listed_us" in row:
+            print(f"decode {row['layout']} {row['seq_len']}: tiles from the position {row['minfer_us']:.1f} us, "
+                  f"from the lists {row['listed_us']:.1f} us")
         if "flex_error" in row:
             print(f"FlexAttention decode failed at {row['layout']} {row['seq_len']}: {row['flex_error']}")
 

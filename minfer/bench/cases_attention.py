@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..attention.layouts import build_layout, compact, decode_layout
+from ..attention.layouts import build_layout, compact, decode_layout, parse_layout
 from .attention_suite import BLOCK_SIZE, DECODE_KV_HEADS, HEAD_DIM, HEADS, decode_kv_bytes, kept_pairs
 from .kernel_suite import KernelCase, register
 
@@ -25,7 +25,7 @@ PREFILL_LAYOUTS = ("causal", "sink-window:sink=128,window=1024")
 def decode_case(dtype: torch.dtype) -> KernelCase:
     seq_len, kv_heads = DECODE_CONTEXT, DECODE_KV_HEADS
     layout = decode_layout(compact(build_layout(DECODE_LAYOUT, HEADS, seq_len, BLOCK_SIZE), seq_len, BLOCK_SIZE),
-                           kv_heads)
+                           kv_heads, parse_layout(DECODE_LAYOUT))
     element = torch.empty((), dtype=dtype).element_size()
 
     def build(copies):
@@ -38,9 +38,7 @@ def decode_case(dtype: torch.dtype) -> KernelCase:
         position = torch.tensor([seq_len - 1], device="cuda")
         workspace = ops.decode_attention_workspace(1, HEADS, kv_heads, HEAD_DIM, form.most_kept_positions(), "cuda")
         scale = HEAD_DIM**-0.5
-        return (lambda i: ops.blocksparse_decode_attention(q, k_caches[i], v_caches[i], position, scale,
-                                                           form.tile_ptr, form.key_tiles, form.head_bits,
-                                                           form.groups, out, workspace)), (
+        return (lambda i: form.attend(q, k_caches[i], v_caches[i], position, scale, out, workspace)), (
             lambda i: F.scaled_dot_product_attention(q[:, :, None], k_caches[i], v_caches[i], scale=scale,
                                                      enable_gqa=True))
 

@@ -21,6 +21,8 @@ from .attention import (
     decode_attention_splits,
     decode_attention_supports,
     decode_attention_workspace,
+    sink_window_decode_attention,
+    sink_window_decode_attention_reference,
 )
 from .blocksparse_attention import (
     BLOCKSPARSE_KERNELS,
@@ -85,5 +87,6 @@ __all__ = [
     "macko_decompress", "macko_decompress_reference", "macko_k_splits", "macko_spmv", "macko_spmv_reference",
     "macko_spmv_tuned", "macko_tensor_core_spmm", "macko_tensor_core_spmm_tuned", "macko_uses_tensor_cores",
     "macko_window_table", "require_cuda", "rms_norm", "rms_norm_reference", "rope_write_kv",
-    "rope_write_kv_reference", "silu_mul", "silu_mul_reference", "target_arch_list", "unpack_nibbles", "use_kernels",
+    "rope_write_kv_reference", "silu_mul", "silu_mul_reference", "sink_window_decode_attention",
+    "sink_window_decode_attention_reference", "target_arch_list", "unpack_nibbles", "use_kernels",
 ]

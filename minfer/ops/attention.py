@@ -58,7 +58,7 @@ def blocksparse_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tenso
     of the kept key tiles of its query tile (tiles of DECODE_ATTENTION_KEY_TILE), up to input_pos[0],
     where query head j of a KV head's group reads a tile only if bit j of its head_bits entry is set. A
     head that keeps no position gets zeros. Without a host sync: it runs in captured graphs."""
-    batch, q_heads, _ = q.shape
+    q_heads = q.shape[1]
     kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
     group = q_heads // kv_heads
     q_tiles = -(-max_seq_len // DECODE_ATTENTION_KEY_TILE)
@@ -75,6 +75,29 @@ def blocksparse_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tenso
     positions = torch.arange(max_seq_len, device=q.device)
     kept = (tiles[..., positions // DECODE_ATTENTION_KEY_TILE] > 0) & (positions <= last)  # [groups, G, S]
     kept = kept.expand(kv_heads, group, max_seq_len).reshape(q_heads, max_seq_len)
+    return _masked_decode_attention(q, k_cache, v_cache, kept, scale)
+
+
+def sink_window_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                           input_pos: torch.Tensor, scale: float, sink: int, window: int,
+                                           block_size: int) -> torch.Tensor:
+    """decode_attention_reference over the sink-window layout's positions for the query at input_pos[0]
+    (minfer.attention.layouts, blocks of block_size tokens): the blocks holding one of the first `sink`
+    tokens or one of the last `window` tokens before some query of the query's block, up to input_pos[0]."""
+    max_seq_len = k_cache.shape[2]
+    last = input_pos.reshape(-1)[0].clamp(0, max_seq_len - 1)
+    positions = torch.arange(max_seq_len, device=q.device)
+    key_block, query_block = positions // block_size, last // block_size
+    kept = (key_block * block_size < sink) | ((key_block + 1) * block_size - 1 >= query_block * block_size - window + 1)
+    return _masked_decode_attention(q, k_cache, v_cache, (kept & (positions <= last))[None], scale)
+
+
+def _masked_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kept: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Attention of q [B, Hq, D] over the positions `kept` ([Hq or 1, S]) marks, in fp32 or wider; query
+    head h reads KV head h // (Hq / Hkv); a head that keeps none gets zeros."""
+    group = q.shape[1] // k_cache.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
     k = torch.where(kept[None, :, :, None], k_cache.to(wide).repeat_interleave(group, dim=1), 0.0)
     v = torch.where(kept[None, :, :, None], v_cache.to(wide).repeat_interleave(group, dim=1), 0.0)
     scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
@@ -124,6 +147,12 @@ def _decode_attention_fake(q, k_cache, v_cache, input_pos, scale, out, workspace
 
 @fake_impl("minfer::decode_attention_tuned")
 def _decode_attention_tuned_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages):
+    return None
+
+
+@fake_impl("minfer::decode_attention_sink_window")
+def _decode_attention_sink_window_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, sink,
+                                       window, block_size):
     return None
 
 
@@ -178,15 +207,45 @@ def blocksparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                           f"cache of {k_cache.shape[1]} KV heads and {k_cache.shape[2]} positions; build it for them")
     if out is None:
         out = q.new_empty(q.shape)
-    if use_kernels(q) and decode_attention_supports(q.dtype, q.shape[1], k_cache.shape[1], q.shape[-1]):
-        batch, num_heads, head_dim = q.shape
-        num_kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
-        if workspace is None:
-            workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device)
-        splits = _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
+    workspace, splits = _sparse_decode_workspace(q, k_cache, workspace)
+    if splits:
         torch.ops.minfer.decode_attention_blocksparse(q, k_cache, v_cache, input_pos, scale, out, workspace, splits,
                                                       tile_ptr, key_tiles, head_bits, layout_groups)
     else:
         out.copy_(blocksparse_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, tile_ptr, key_tiles,
                                                          head_bits, layout_groups))
     return out
+
+
+def sink_window_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 input_pos: torch.Tensor, scale: float, sink: int, window: int, block_size: int,
+                                 out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """blocksparse_decode_attention for the sink-window layout (`sink`, `window` tokens; layout blocks of
+    `block_size`, a multiple of DECODE_ATTENTION_KEY_TILE), whose kept tiles the kernel computes from
+    input_pos instead of reading lists: the same positions, with no list loads ahead of the K/V loads."""
+    if sink < 0 or window < 1 or block_size < 1 or block_size % DECODE_ATTENTION_KEY_TILE:
+        raise MinferError(f"sink-window decode takes sink >= 0, window >= 1 and blocks of a multiple of "
+                          f"{DECODE_ATTENTION_KEY_TILE}, got sink={sink}, window={window}, block_size={block_size}")
+    if out is None:
+        out = q.new_empty(q.shape)
+    workspace, splits = _sparse_decode_workspace(q, k_cache, workspace)
+    if splits:
+        torch.ops.minfer.decode_attention_sink_window(q, k_cache, v_cache, input_pos, scale, out, workspace, splits,
+                                                      sink, window, block_size)
+    else:
+        out.copy_(sink_window_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, sink, window,
+                                                         block_size))
+    return out
+
+
+def _sparse_decode_workspace(q: torch.Tensor, k_cache: torch.Tensor,
+                             workspace: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """(workspace, its split count) when the kernel runs this call, (None, 0) when the reference does; without
+    a workspace, one for the whole cache is allocated."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if not (use_kernels(q) and decode_attention_supports(q.dtype, num_heads, num_kv_heads, head_dim)):
+        return None, 0
+    if workspace is None:
+        workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[2], q.device)
+    return workspace, _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
