@@ -179,6 +179,16 @@ def flex_decode_block_mask(layout: torch.Tensor, seq_len: int):
                                     BLOCK_SIZE=BLOCK_SIZE, seq_lengths=(1, seq_len))
 
 
+def decode_inputs(seq_len: int, copies: int, dtype: torch.dtype):
+    """(q, K caches, V caches, out, position): `copies` full caches of seq_len positions (DECODE_KV_HEADS), one
+    query at the last position."""
+    shape = (1, DECODE_KV_HEADS, seq_len, HEAD_DIM)
+    k_caches = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
+    v_caches = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
+    q = torch.randn(1, HEADS, HEAD_DIM, device="cuda").to(dtype)
+    return q, k_caches, v_caches, torch.empty_like(q), torch.tensor([seq_len - 1], device="cuda")
+
+
 def decode_rows(seq_len: int, dtype: torch.dtype, copy_gbs: float, flex: Callable | None) -> list[dict]:
     """One row per DECODE_LAYOUTS entry at this cache length ("dense": minfer's dense split-K decode)."""
     kv_heads, element = DECODE_KV_HEADS, torch.empty((), dtype=dtype).element_size()
@@ -188,12 +198,7 @@ def decode_rows(seq_len: int, dtype: torch.dtype, copy_gbs: float, flex: Callabl
              for name, layout in layouts.items()}
     read = {name: decode_kv_bytes(form, seq_len, kv_heads, element) for name, form in forms.items()}
     copies = rotation_count(min(read.values()))  # every case cycles through copies that overflow L2
-    shape = (1, kv_heads, seq_len, HEAD_DIM)
-    k_caches = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
-    v_caches = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
-    q = torch.randn(1, HEADS, HEAD_DIM, device="cuda").to(dtype)
-    out = torch.empty_like(q)
-    position = torch.tensor([seq_len - 1], device="cuda")
+    q, k_caches, v_caches, out, position = decode_inputs(seq_len, copies, dtype)
     scale = 1 / math.sqrt(HEAD_DIM)
 
     def timed(fn: Callable[[int], object]) -> float:

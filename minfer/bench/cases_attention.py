@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..attention.layouts import build_layout, compact, decode_layout, parse_layout
-from .attention_suite import BLOCK_SIZE, DECODE_KV_HEADS, HEAD_DIM, HEADS, decode_kv_bytes, kept_pairs
+from .attention_suite import (BLOCK_SIZE, DECODE_KV_HEADS, HEAD_DIM, HEADS, decode_inputs, decode_kv_bytes,
+                              kept_pairs)
 from .kernel_suite import KernelCase, register
 
 DECODE_CONTEXT = 32768
@@ -30,12 +31,7 @@ def decode_case(dtype: torch.dtype) -> KernelCase:
 
     def build(copies):
         form = layout.to("cuda")
-        shape = (1, kv_heads, seq_len, HEAD_DIM)
-        k_caches = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
-        v_caches = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
-        q = torch.randn(1, HEADS, HEAD_DIM, device="cuda").to(dtype)
-        out = torch.empty_like(q)
-        position = torch.tensor([seq_len - 1], device="cuda")
+        q, k_caches, v_caches, out, position = decode_inputs(seq_len, copies, dtype)
         workspace = ops.decode_attention_workspace(1, HEADS, kv_heads, HEAD_DIM, form.most_kept_positions(), "cuda")
         scale = HEAD_DIM**-0.5
         return (lambda i: form.attend(q, k_caches[i], v_caches[i], position, scale, out, workspace)), (
