@@ -5,6 +5,8 @@ minfer.attention.layouts.DecodeLayout)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..errors import MinferError
@@ -205,16 +207,13 @@ def blocksparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if layout_groups not in (1, k_cache.shape[1]) or tile_ptr.numel() != layout_groups * q_tiles + 1:
         raise MinferError(f"the decode layout ({layout_groups} groups, {tile_ptr.numel()} list bounds) does not fit a "
                           f"cache of {k_cache.shape[1]} KV heads and {k_cache.shape[2]} positions; build it for them")
-    if out is None:
-        out = q.new_empty(q.shape)
-    workspace, splits = _sparse_decode_workspace(q, k_cache, workspace)
-    if splits:
-        torch.ops.minfer.decode_attention_blocksparse(q, k_cache, v_cache, input_pos, scale, out, workspace, splits,
-                                                      tile_ptr, key_tiles, head_bits, layout_groups)
-    else:
-        out.copy_(blocksparse_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, tile_ptr, key_tiles,
-                                                         head_bits, layout_groups))
-    return out
+    return _sparse_decode(
+        q, k_cache, out, workspace,
+        lambda out, workspace, splits: torch.ops.minfer.decode_attention_blocksparse(
+            q, k_cache, v_cache, input_pos, scale, out, workspace, splits, tile_ptr, key_tiles, head_bits,
+            layout_groups),
+        lambda: blocksparse_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, tile_ptr, key_tiles,
+                                                       head_bits, layout_groups))
 
 
 def sink_window_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -226,26 +225,28 @@ def sink_window_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     if sink < 0 or window < 1 or block_size < 1 or block_size % DECODE_ATTENTION_KEY_TILE:
         raise MinferError(f"sink-window decode takes sink >= 0, window >= 1 and blocks of a multiple of "
                           f"{DECODE_ATTENTION_KEY_TILE}, got sink={sink}, window={window}, block_size={block_size}")
+    return _sparse_decode(
+        q, k_cache, out, workspace,
+        lambda out, workspace, splits: torch.ops.minfer.decode_attention_sink_window(
+            q, k_cache, v_cache, input_pos, scale, out, workspace, splits, sink, window, block_size),
+        lambda: sink_window_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, sink, window,
+                                                       block_size))
+
+
+def _sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None, workspace: torch.Tensor | None,
+                   kernel: Callable[[torch.Tensor, torch.Tensor, int], None],
+                   reference: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`kernel(out, workspace, splits)` when the CUDA kernel takes q (without a workspace, one for the whole
+    cache is allocated), else out = `reference()`."""
     if out is None:
         out = q.new_empty(q.shape)
-    workspace, splits = _sparse_decode_workspace(q, k_cache, workspace)
-    if splits:
-        torch.ops.minfer.decode_attention_sink_window(q, k_cache, v_cache, input_pos, scale, out, workspace, splits,
-                                                      sink, window, block_size)
-    else:
-        out.copy_(sink_window_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, sink, window,
-                                                         block_size))
-    return out
-
-
-def _sparse_decode_workspace(q: torch.Tensor, k_cache: torch.Tensor,
-                             workspace: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """(workspace, its split count) when the kernel runs this call, (None, 0) when the reference does; without
-    a workspace, one for the whole cache is allocated."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    if not (use_kernels(q) and decode_attention_supports(q.dtype, num_heads, num_kv_heads, head_dim)):
-        return None, 0
-    if workspace is None:
-        workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[2], q.device)
-    return workspace, _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
+    if use_kernels(q) and decode_attention_supports(q.dtype, num_heads, num_kv_heads, head_dim):
+        if workspace is None:
+            workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[2],
+                                                   q.device)
+        kernel(out, workspace, _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim))
+    else:
+        out.copy_(reference())
+    return out
