@@ -177,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         if not all(n.isdigit() and int(n) >= 1 for n in args.lengths):
             raise MinferError(f"--lengths: whole numbers >= 1, got {','.join(args.lengths)}")
         lengths = tuple(int(n) for n in args.lengths)
+    if args.phases and not set(args.phases) <= set(attention_suite.PHASES):
+        raise MinferError(f"--phases: choose among {','.join(attention_suite.PHASES)}, got {','.join(args.phases)}")
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
     ops.build()
@@ -222,11 +224,8 @@ def run(args: argparse.Namespace) -> int:
         env["copy_gbs"] = round(copy_gbs, 1)
         write_json()
     if args.suite == "attention":
-        phases = tuple(args.phases or attention_suite.PHASES)
-        if not set(phases) <= set(attention_suite.PHASES):
-            raise MinferError(f"--phases: choose among {','.join(attention_suite.PHASES)}, got {','.join(phases)}")
         ceilings, attention_rows, attention_fit, decode_rows = attention_suite.run(
-            lengths, dtype, phases=phases,
+            lengths, dtype, phases=tuple(args.phases or attention_suite.PHASES),
             on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
                                      + (f"{row['minfer_ms']:.3f} ms" if "minfer_ms" in row else
                                         f"decode {row['minfer_us']:.1f} us"), flush=True))

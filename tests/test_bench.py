@@ -103,6 +103,7 @@ def test_density_and_shape_arguments():
     (["--suite", "macko-e2e", "--prompt-tokens", "4000", "--new-tokens", "200"], "exceeds the 4096 positions"),
     (["--suite", "kernels", "--json", "/proc/no/such.json"], "--json /proc/no/such.json"),
     (["--suite", "kernels", "--phases", "decode"], "--phases does not apply to --suite kernels"),
+    (["--suite", "attention", "--phases", "decode,backward"], "--phases: choose among prefill,decode"),
     (["--suite", "attention", "--context", "32768"], "--context does not apply to --suite attention"),
     (["--suite", "e2e", "--attention", "blocksparse"], "--attention blocksparse and --layout go together"),
     (["--suite", "e2e", "--layout", "causal"], "--attention blocksparse and --layout go together"),
