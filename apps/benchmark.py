@@ -10,6 +10,8 @@ Examples:
   python apps/benchmark.py --suite sparse24 --json out/sparse24.json
   python apps/benchmark.py --suite attention --lengths 8192,16384 --json out/attn.json --plot out/attn.png
   python apps/benchmark.py --suite ksmm --reps 5 --new-tokens 64 --json out/ksmm.json --plot out/ksmm.png
+  python apps/benchmark.py --suite attention --phases decode --lengths 4096,32768
+  python apps/benchmark.py --suite e2e --context 32768 --attention blocksparse --layout sink-window:sink=128,window=2048
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
@@ -18,7 +20,9 @@ the macko-e2e suite prunes it by magnitude to each density, stores it as MACKO, 
 speed and peak memory against dense (beside other suites its plot goes next to --plot, suffixed
 -macko-e2e). The macko suite is the MACKO kernel study of minfer.bench.macko_suite without its
 launch sweep. The attention suite times block-sparse prefill against SDPA and FlexAttention (same
-BlockMask) per length and layout, and fits time against the kept-block fraction (--plot draws it).
+BlockMask) per length and layout, and fits time against the kept-block fraction (--plot draws it), then
+block-sparse decode against dense SDPA and FlexAttention decode. With --attention blocksparse the e2e
+suite compares the model with dense attention and with the --layout, both on minfer's kernels.
 The ksmm suite times the KS factor kernel over a grid of patterns and batch sizes against dense, einsum
 and bmm formulations (minfer.bench.ksmm_suite), then the model dense and with monarch-50 KS chains.
 
@@ -45,9 +49,11 @@ from minfer.bench import (attention_suite, e2e_suite, kernel_suite, ksmm_suite, 
                           sparse24_suite)
 from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
 from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
+from minfer.attention.layouts import LAYOUT_HELP, parse_layout  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
+from minfer.runtime import RANDOM_WEIGHTS_MAX_SEQ_LEN  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # Flags that apply to some suites only default to None (see FLAG_SUITES), then to these.
@@ -92,6 +98,16 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--lengths", type=csv_list, default=None, metavar="S,...",
                         help="attention: sequence lengths (default: "
                              f"{','.join(str(n) for n in attention_suite.LENGTHS)})")
+    parser.add_argument("--phases", type=csv_list, default=None, metavar="P,...",
+                        help=f"attention: which of {','.join(attention_suite.PHASES)} to time (default: both)")
+    parser.add_argument("--context", type=positive_int, default=None, metavar="N",
+                        help="e2e: the context the decode reaches: the prompt is N - --new-tokens tokens (the cache "
+                             "holds N positions; with random weights up to 32768 whatever the model's limit)")
+    parser.add_argument("--attention", choices=("dense", "blocksparse"), default=None,
+                        help="e2e: blocksparse compares the model with dense attention and with --layout, both on "
+                             "minfer's kernels (default dense: minfer against the plain-torch backend)")
+    parser.add_argument("--layout", default=None, metavar="NAME[:k=v,...]",
+                        help=f"e2e with --attention blocksparse: the layout ({LAYOUT_HELP})")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a PNG of speedups and bandwidth (kernels, e2e and macko-e2e suites)")
@@ -102,17 +118,28 @@ def build_parser() -> ArgumentParser:
 FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
                "densities": ("macko", "macko-e2e", "all"),
                "plot": ("kernels", "e2e", "macko-e2e", "attention", "ksmm", "all"),
-               "lengths": ("attention",),
+               "lengths": ("attention",), "phases": ("attention",), "context": ("e2e",), "attention": ("e2e",),
+               "layout": ("e2e",),
                "reps": ("kernels", "macko", "sparse24", "ksmm", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
                "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}
 
 
 def check_e2e_model(args: argparse.Namespace) -> None:
-    """The e2e suites' model and context, checked before any suite runs (they run last)."""
+    """The e2e suites' model, context and attention, checked before any suite runs (they run last)."""
     try:
         config = resolve(args.model, "random").config
     except MinferError as exc:
         raise MinferError(f"--model: {exc}") from None
+    if (args.attention == "blocksparse") != (args.layout is not None):
+        raise MinferError("--attention blocksparse and --layout go together: give both or neither")
+    if args.layout is not None:
+        parse_layout(args.layout)
+    if args.context is not None:
+        if args.context <= args.new_tokens or args.context > RANDOM_WEIGHTS_MAX_SEQ_LEN:
+            raise MinferError(f"--context must exceed --new-tokens {args.new_tokens} and be at most "
+                              f"{RANDOM_WEIGHTS_MAX_SEQ_LEN}, got {args.context}")
+        args.prompt_tokens = args.context - args.new_tokens
+        return
     context = args.prompt_tokens + args.new_tokens
     if context > config.max_position_embeddings:
         raise MinferError(f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} = {context} exceeds "
@@ -138,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None and args.suite not in suites:
             raise MinferError(f"--{name.replace('_', '-')} does not apply to --suite {args.suite}; it is for "
                               f"--suite {', '.join(suites)}")
+    if args.context is not None and args.prompt_tokens is not None:
+        raise MinferError("--context sets the prompt length (context - new tokens): drop --prompt-tokens")
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -158,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         if not all(n.isdigit() and int(n) >= 1 for n in args.lengths):
             raise MinferError(f"--lengths: whole numbers >= 1, got {','.join(args.lengths)}")
         lengths = tuple(int(n) for n in args.lengths)
+    if args.phases and not set(args.phases) <= set(attention_suite.PHASES):
+        raise MinferError(f"--phases: choose among {','.join(attention_suite.PHASES)}, got {','.join(args.phases)}")
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
     ops.build()
@@ -172,13 +203,14 @@ def run(args: argparse.Namespace) -> int:
     attention_rows: list[dict] = []
     attention_fit: dict = {}
     ksmm_rows: dict[str, list[dict]] = {}
+    decode_rows: list[dict] = []
 
     def write_json() -> None:  # after every suite, so a run cut short keeps what it measured
         if args.json:
             report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
                                                "macko": macko_kernel_rows, "sparse24": sparse24_rows,
-                                               "attention": attention_rows,
-                                               "attention_fit": attention_fit, "ksmm": ksmm_rows})
+                                               "attention": attention_rows, "attention_fit": attention_fit,
+                                               "attention_decode": decode_rows, "ksmm": ksmm_rows})
 
     if args.suite in ("kernels", "all"):
         copy_gbs, kernel_rows = kernel_suite.run(
@@ -189,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     if args.suite in ("e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         e2e_rows = e2e_suite.run(args.model, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
-                                 embedding=args.embedding)
+                                 embedding=args.embedding, layout=args.layout,
+                                 on_row=lambda row: print(f"  e2e {row['backend']} {row['phase']}: {row['tok_s']:.1f} "
+                                                          "tok/s", flush=True))
         write_json()
 
     if args.suite == "macko":
@@ -214,10 +248,12 @@ def run(args: argparse.Namespace) -> int:
                                                        copy_gbs, on_row, args.embedding)
         write_json()
     if args.suite == "attention":
-        ceilings, attention_rows, attention_fit = attention_suite.run(
-            lengths, dtype, on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
-                                                     f"{row['minfer_ms']:.3f} ms", flush=True))
-        env.update({key: round(value, 1) for key, value in ceilings.items()})
+        ceilings, attention_rows, attention_fit, decode_rows = attention_suite.run(
+            lengths, dtype, phases=tuple(args.phases or attention_suite.PHASES),
+            on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
+                                     + (f"{row['minfer_ms']:.3f} ms" if "minfer_ms" in row else
+                                        f"decode {row['minfer_us']:.1f} us"), flush=True))
+        env.update({key: round(value, 1) for key, value in ceilings.items() if value is not None})
         write_json()
     if args.suite == "ksmm":
         copy_gbs, ksmm_rows["grid"], ksmm_rows["summary"] = ksmm_suite.run(
@@ -241,11 +277,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"device copy bandwidth: {env['copy_gbs']:.0f} GB/s (read + write)")
     if attention_rows:
         attention_suite.print_report(env, attention_rows, attention_fit, args.dtype)
+    if decode_rows:
+        attention_suite.print_decode_report(env, decode_rows, args.dtype)
     if kernel_rows:
         report.print_table(f"kernels ({env.get('device')}, {args.dtype})", kernel_suite.COLUMNS, kernel_rows)
     if e2e_rows:
+        versus = f"'vs base': against dense attention, {args.layout}" if args.layout else "'vs base': against torch"
         report.print_table(f"end to end: {args.model}, random weights, batch 1, {args.prompt_tokens}-token prompt, "
-                           f"{args.new_tokens} new tokens, minfer's embedding on the {args.embedding}",
+                           f"{args.new_tokens} new tokens, minfer's embedding on the {args.embedding}; {versus}",
                            e2e_suite.COLUMNS, e2e_rows)
     for section, rows in macko_kernel_rows.items():
         report.print_table(f"MACKO {section} ({env.get('device')}, {args.dtype})", macko_suite.COLUMNS[section], rows)

@@ -80,7 +80,7 @@ def build_parser() -> ArgumentParser:
     attention = parser.add_argument_group("attention")
     attention.add_argument("--attention", choices=tuple(ATTENTION_BACKENDS), default="dense",
                            help="dense: every query attends to every earlier token; blocksparse: the prompt's "
-                                "queries visit only the --layout's kept blocks (decode stays dense for now) "
+                                "and decode queries visit only the --layout's kept blocks "
                                 "(default: %(default)s)")
     attention.add_argument("--layout", default=None, metavar="NAME[:k=v,...]",
                            help=f"the block-sparse layout, sizes in tokens, blocks of 64: {LAYOUT_HELP} "

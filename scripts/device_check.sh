@@ -55,9 +55,16 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 200 python3 apps/benchmark.py --suite macko --densities 0.1,0.3,0.5,0.7 --json "$OUT/macko.json" \
         > "$OUT/macko.txt" 2>&1
     rc=$?; record "benchmark --suite macko" $rc
-    timeout 200 python3 apps/benchmark.py --suite attention --json "$OUT/attention.json" --plot "$OUT/attention.png" \
-        > "$OUT/attention.txt" 2>&1
+    timeout 200 python3 apps/benchmark.py --suite attention --phases prefill --json "$OUT/attention.json" \
+        --plot "$OUT/attention.png" > "$OUT/attention.txt" 2>&1
     rc=$?; record "benchmark --suite attention" $rc
+    # issue 32's decode rows (block-sparse vs dense SDPA and Flex decode) and its 32k end-to-end row
+    timeout 120 python3 apps/benchmark.py --suite attention --phases decode --json "$OUT/attention-decode.json" \
+        > "$OUT/attention-decode.txt" 2>&1
+    rc=$?; record "benchmark --suite attention --phases decode" $rc
+    timeout 150 python3 apps/benchmark.py --suite e2e --context 32768 --new-tokens 128 --attention blocksparse \
+        --layout sink-window:sink=128,window=2048 --json "$OUT/e2e-32k.json" > "$OUT/e2e-32k.txt" 2>&1
+    rc=$?; record "benchmark --suite e2e --context 32768 (block-sparse)" $rc "$(grep -E 'decode' "$OUT/e2e-32k.txt" | tail -n 2 | tr -s ' ' | tr '\n' ' ')"
     # issue 34's table: the 2:4 GEMV and prefill against cuBLAS, minfer dense and cuSPARSELt, decode beside MACKO
     timeout 200 python3 apps/benchmark.py --suite sparse24 --new-tokens 64 --json "$OUT/sparse24.json" \
         > "$OUT/sparse24.txt" 2>&1

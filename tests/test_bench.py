@@ -102,10 +102,26 @@ def test_density_and_shape_arguments():
     (["--suite", "e2e", "--model", "no-such-model"], "--model: "),
     (["--suite", "macko-e2e", "--prompt-tokens", "4000", "--new-tokens", "200"], "exceeds the 4096 positions"),
     (["--suite", "kernels", "--json", "/proc/no/such.json"], "--json /proc/no/such.json"),
+    (["--suite", "kernels", "--phases", "decode"], "--phases does not apply to --suite kernels"),
+    (["--suite", "attention", "--phases", "decode,backward"], "--phases: choose among prefill,decode"),
+    (["--suite", "attention", "--context", "32768"], "--context does not apply to --suite attention"),
+    (["--suite", "e2e", "--attention", "blocksparse"], "--attention blocksparse and --layout go together"),
+    (["--suite", "e2e", "--layout", "causal"], "--attention blocksparse and --layout go together"),
+    (["--suite", "e2e", "--attention", "blocksparse", "--layout", "banded"], "unknown layout 'banded'"),
+    (["--suite", "e2e", "--context", "32768", "--prompt-tokens", "9"], "drop --prompt-tokens"),
+    (["--suite", "e2e", "--context", "65536"], "--context must exceed --new-tokens 256 and be at most 32768"),
 ])
 def test_benchmark_app_refuses_flags_its_suite_would_ignore(argv, message, capsys):
     assert load_app(BENCHMARK_APP).main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_attention_cases_are_registered_for_the_profiler():
+    cases = kernel_suite.select(["attention"], ["decode"], torch.float16)
+    assert [case.shape.split()[0] for case in cases] == ["decode"]
+    # sink 128 + window 2048 at blocks of 128 and the query in the cache's last block: 1 + 17 blocks of 128
+    # positions, for 8 KV heads, K and V, 128 dims of 2 bytes
+    assert cases[0].bytes == 18 * 128 * 8 * 2 * 128 * 2 + 2 * 32 * 128 * 2
 
 
 def test_macko_study_says_which_sections_its_densities_skip():

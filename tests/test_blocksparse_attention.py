@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from minfer import ops
-from minfer.attention import BlockSparseAttention, DenseAttention, attention_class
+from minfer.attention import BlockSparseAttention, attention_class
 from minfer.attention.layouts import (LayoutError, build_layout, compact, compact_layout, density, parse_layout,
                                       plot_layout)
 from minfer.bench import attention_suite
@@ -233,16 +233,13 @@ def test_backend_prefill_matches_sdpa_with_the_layout_mask(name, tokens):
     assert rel_error(out, expected.transpose(1, 2)) < 1e-12
 
 
-def test_backend_decode_is_dense_and_offset_prefill_is_refused():
+def test_backend_refuses_an_offset_prefill():
+    """(Decode over the layout: tests/test_blocksparse_decode.py.)"""
     cfg = BACKEND_CONFIG
-    cpu = torch.device("cpu")
-    backend = attention_class("blocksparse").create(cfg, 1, 300, torch.float64, cpu, layout="sink-window:sink=0,window=64")
-    dense = DenseAttention.create(cfg, 1, 300, torch.float64, cpu)
+    backend = attention_class("blocksparse").create(cfg, 1, 300, torch.float64, torch.device("cpu"),
+                                                    layout="sink-window:sink=0,window=64")
     cache = random_cache(300, 5)
     q = torch.randn(1, 1, cfg.num_heads, cfg.head_dim, dtype=torch.float64)
-    position = torch.tensor([250])
-    with backend.forward_pass(position, 1, 256) as step, dense.forward_pass(position, 1, 256) as dense_step:
-        assert torch.equal(backend.decode(q, cache, step), dense.decode(q, cache, dense_step))
     with backend.forward_pass(torch.arange(100, 103), 3, 103) as step, pytest.raises(MinferError, match="0..T-1"):
         backend.prefill(q.expand(1, 3, -1, -1), cache, step)
 

@@ -7,10 +7,10 @@ namespace {
 
 using namespace minfer::binding;
 
-// The shared-memory ring depth pinned (`stages`, decode_attention.h), for tests of every depth.
-void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
-                            int64_t num_splits, int64_t stages) {
+// Checks the tensors and launches; `kept` (null: dense) is the block-sparse layout's decode form.
+void launch_checked(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                    int64_t num_splits, int64_t stages, const minfer::DecodeKeptTiles* kept) {
     MINFER_CHECK(q.is_cuda() && q.dim() == 3 && q.stride(2) == 1,
                 "minfer.decode_attention: q must be a CUDA [B, Hq, D] tensor with a contiguous last dim");
     check_cuda_contiguous(k_cache, "k_cache");
@@ -55,8 +55,58 @@ void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, cons
     minfer::launch_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                                     input_pos.data_ptr<int64_t>(), (float)scale, out.data_ptr(),
                                     workspace.data_ptr<float>(), batch, q_heads, kv_heads, head_dim, max_seq_len,
-                                    (int)num_splits, (int)stages, dtype_of(q), current_stream());
+                                    (int)num_splits, (int)stages, dtype_of(q), current_stream(), kept);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The shared-memory ring depth pinned (`stages`, decode_attention.h), for tests of every depth.
+void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                            int64_t num_splits, int64_t stages) {
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages, nullptr);
+}
+
+// The key tiles' values are not checked here (that would read them back): a tile past the query's is
+// masked by position, and DecodeLayout builds only ascending tiles up to the query's.
+void decode_attention_blocksparse(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                                  int64_t num_splits, const at::Tensor& tile_ptr, const at::Tensor& key_tiles,
+                                  const at::Tensor& head_bits, int64_t layout_groups) {
+    for (const auto* t : {&tile_ptr, &key_tiles, &head_bits}) {
+        check_cuda_contiguous(*t, "the decode layout's arrays");
+        MINFER_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->device() == q.device(),
+                    "minfer.decode_attention_blocksparse: tile_ptr, key_tiles and head_bits must be 1-d int32 on "
+                    "q's device");
+    }
+    MINFER_CHECK(k_cache.dim() == 4, "minfer.decode_attention_blocksparse: caches must be [B, Hkv, S, D]");
+    const int64_t q_tiles = (k_cache.size(2) + minfer::kDecodeAttnKeyTile - 1) / minfer::kDecodeAttnKeyTile;
+    MINFER_CHECK(layout_groups == 1 || layout_groups == k_cache.size(1),
+                "minfer.decode_attention_blocksparse: layout_groups must be 1 or Hkv=", k_cache.size(1), ", got ",
+                layout_groups);
+    MINFER_CHECK(tile_ptr.numel() == layout_groups * q_tiles + 1 && key_tiles.numel() == head_bits.numel(),
+                "minfer.decode_attention_blocksparse: ", layout_groups, " groups over ", q_tiles,
+                " query tiles need tile_ptr of ", layout_groups * q_tiles + 1,
+                " entries and key_tiles, head_bits of one length (build the layout for the cache's length)");
+    const minfer::DecodeKeptTiles kept{tile_ptr.data_ptr<int32_t>(), key_tiles.data_ptr<int32_t>(),
+                                       head_bits.data_ptr<int32_t>(), (int)layout_groups, (int)q_tiles, 0, 0, 0};
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
+}
+
+// The sink-window layout (sizes in tokens, layout blocks of block_size), its tiles found from the position.
+void decode_attention_sink_window(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
+                                  int64_t num_splits, int64_t sink, int64_t window, int64_t block_size) {
+    constexpr int64_t tile = minfer::kDecodeAttnKeyTile;
+    MINFER_CHECK(block_size >= tile && block_size % tile == 0 && block_size <= (1 << 20),
+                "minfer.decode_attention_sink_window: block_size must be a multiple of ", tile, ", got ", block_size);
+    MINFER_CHECK(sink >= 0 && sink <= (1 << 30) && window >= 1 && window <= (1 << 30),
+                "minfer.decode_attention_sink_window: sink >= 0 and window >= 1 tokens, got sink=", sink,
+                ", window=", window);
+    const int64_t block_tiles = block_size / tile;
+    const minfer::DecodeKeptTiles kept{nullptr, nullptr, nullptr, 1, 0,
+                                       (int)((sink + block_size - 1) / block_size * block_tiles), (int)window,
+                                       (int)block_tiles};
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -72,9 +122,16 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
           "Tensor(b!) workspace, int num_splits) -> ()");
     m.def("decode_attention_tuned(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
           "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int stages) -> ()");
+    m.def("decode_attention_blocksparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
+          "Tensor(a!) out, Tensor(b!) workspace, int num_splits, Tensor tile_ptr, Tensor key_tiles, Tensor head_bits, "
+          "int layout_groups) -> ()");
+    m.def("decode_attention_sink_window(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
+          "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int sink, int window, int block_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("decode_attention_tuned", &decode_attention_tuned);
+    m.impl("decode_attention_blocksparse", &decode_attention_blocksparse);
+    m.impl("decode_attention_sink_window", &decode_attention_sink_window);
 }

@@ -1,24 +1,27 @@
-"""Block-sparse attention: a prompt's queries visit only the kept key tiles of a layout (layouts.py).
+"""Block-sparse attention: queries visit only the kept key tiles of a layout (layouts.py).
 
 Prefill runs ops.blocksparse_attention over the layout's compact form, built once per prompt length and
-device (layouts.compact_layout caches it). Decode is dense for now: the block-sparse decode kernel is
-not built yet, so one query token attends to every cached position through DenseAttention's path (the
-split-K kernel on a GPU under minfer's kernels, SDPA otherwise), whose workspace this backend owns.
+device (layouts.compact_layout caches it). Decode runs the split-K decode kernel over the decode form of
+the layout built once for the whole cache (`DecodeLayout.attend`): the kernel finds the kept tiles of the
+query tile holding the position on the device (sink-window by arithmetic on the position, other layouts
+from the lists), so a captured step stays valid as the context grows, and its splits share only those
+tiles. Heads of one KV group whose kept tiles differ
+(bigbird, per-head file layouts) read the union of the group's tiles once, each head masking the tiles
+it does not keep. The layout decode uses is the one built for the whole cache: for bigbird, whose random
+blocks depend on the length, a prompt's prefill (built for the prompt's length) may draw other random
+blocks than the decode steps after it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
+from .. import ops
 from ..config import ModelConfig
 from ..errors import MinferError
 from ..kv_cache import KVCache
 from .base import AttentionBackend, AttentionPass
-from .dense import DenseAttention
-from .layouts import CompactLayout, build_layout, compact_layout, parse_layout
+from .layouts import CompactLayout, compact_layout, decode_layout, parse_layout
 
 
 class BlockSparseAttention(AttentionBackend):
@@ -32,13 +35,13 @@ class BlockSparseAttention(AttentionBackend):
         self.heads = config.num_heads
         self.device = device
         # Built here for the whole cache so a bad block size or a file layout too small fails at setup.
-        self.full_layout = build_layout(self.layout, self.heads, max_seq_len, block_size)
-        self.dense = DenseAttention.create(config, max_batch_size, max_seq_len, dtype, device)
-
-    @contextlib.contextmanager
-    def forward_pass(self, input_pos: torch.Tensor, tokens: int, kv_len: int) -> Iterator[AttentionPass]:
-        with self.dense.forward_pass(input_pos, tokens, kv_len) as step:
-            yield step
+        self.decode_layout = decode_layout(self.compact(max_seq_len), config.num_kv_heads, self.layout)
+        self.workspace = None
+        if ops.kernels_run_on(device) and ops.decode_attention_supports(dtype, config.num_heads, config.num_kv_heads,
+                                                                        config.head_dim):
+            self.workspace = ops.decode_attention_workspace(max_batch_size, config.num_heads, config.num_kv_heads,
+                                                            config.head_dim, self.decode_layout.most_kept_positions(),
+                                                            device)
 
     def compact(self, seq_len: int) -> CompactLayout:
         return compact_layout(self.layout, self.heads, seq_len, self.block_size, self.device)
@@ -54,4 +57,6 @@ class BlockSparseAttention(AttentionBackend):
         return out
 
     def decode(self, q: torch.Tensor, cache: KVCache, step: AttentionPass) -> torch.Tensor:
-        return self.dense.decode(q, cache, step)
+        out = self.decode_layout.attend(q[:, 0], cache.k_cache, cache.v_cache, step.input_pos, self.scale,
+                                        workspace=self.workspace)
+        return out.unsqueeze(1)

@@ -16,7 +16,8 @@ compute the same tiles. Named layouts, written NAME[:k=v,...] (sizes in tokens):
   least the sequence; its top-left corner is used.
 
 The kernels read the compact form (`CompactLayout`), built once per (layout, length): for each head and
-query tile of KERNEL_TILE tokens, the ascending list of key tiles to visit, in CSR arrays.
+query tile of KERNEL_TILE tokens, the ascending list of key tiles to visit, in CSR arrays. Decode reads
+`DecodeLayout`, the same lists per KV head's group of query heads (see there).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 
 from ..errors import MinferError
 from ..ops import BLOCKSPARSE_TILE as KERNEL_TILE
-from ..ops import blocksparse_attention, blocksparse_tiles
+from ..ops import (blocksparse_attention, blocksparse_decode_attention, blocksparse_tiles,
+                   sink_window_decode_attention)
 
 BLOCK_SIZES = (64, 128)
 MAX_SEQ_LEN = 1 << 20
@@ -263,6 +265,72 @@ def compact(layout: torch.Tensor, seq_len: int, block_size: int) -> CompactLayou
     tile_ptr[1:] = counts.cumsum(0)
     key_tiles = fine.flatten(0, 1).nonzero()[:, 1].to(torch.int32)  # row-major: each row's keys ascending
     return CompactLayout(tile_ptr, key_tiles, layout.shape[0], seq_len, block_size)
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """What block-sparse decode reads (ops.blocksparse_decode_attention), for a cache of `seq_len` positions:
+    per layout group and query tile of KERNEL_TILE tokens, the ascending key tiles
+    key_tiles[tile_ptr[g * q_tiles + i] : tile_ptr[g * q_tiles + i + 1]] and, for each, head_bits: bit j
+    set when query head j of the group keeps that tile. A layout shared by all heads has one group (every
+    bit set); a per-head layout has one group per KV head, listing the union of its query heads' tiles,
+    so each K/V tile is read once for the whole group and heads that do not keep it mask it out.
+    int32 tensors. A sink-window layout also keeps its (sink, window, block_size): its kernel computes the
+    same tiles from the position instead of reading the lists."""
+
+    tile_ptr: torch.Tensor
+    key_tiles: torch.Tensor
+    head_bits: torch.Tensor
+    groups: int
+    seq_len: int
+    sink_window: tuple[int, int, int] | None = None
+
+    @property
+    def q_tiles(self) -> int:
+        return _blocks(self.seq_len, KERNEL_TILE)
+
+    def most_kept_positions(self) -> int:
+        """The longest list in positions: what the split-K workspace is sized for."""
+        return int((self.tile_ptr[1:] - self.tile_ptr[:-1]).max()) * KERNEL_TILE
+
+    def to(self, device: torch.device | str) -> DecodeLayout:
+        return DecodeLayout(self.tile_ptr.to(device), self.key_tiles.to(device), self.head_bits.to(device),
+                            self.groups, self.seq_len, self.sink_window)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+               scale: float, out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+               listed: bool = False) -> torch.Tensor:
+        """Decode attention of q [B, Hq, D] at position input_pos over caches of seq_len positions with this
+        layout (sink-window through its own kernel path unless `listed`, a knob for benchmarks)."""
+        if self.sink_window is not None and not listed:
+            return sink_window_decode_attention(q, k_cache, v_cache, input_pos, scale, *self.sink_window, out=out,
+                                                workspace=workspace)
+        return blocksparse_decode_attention(q, k_cache, v_cache, input_pos, scale, self.tile_ptr, self.key_tiles,
+                                            self.head_bits, self.groups, out=out, workspace=workspace)
+
+
+def decode_layout(packed: CompactLayout, kv_heads: int, spec: LayoutSpec | None = None) -> DecodeLayout:
+    """The decode form of a compact layout for attention with `kv_heads` KV heads (query heads are the
+    layout's heads when it has more than one); `spec`, the layout it was built from, names a sink-window."""
+    if packed.heads == 1:
+        sink_window = None
+        if spec is not None and spec.name == "sink-window":
+            sink_window = (spec.params["sink"], spec.params["window"], packed.block_size)
+        return DecodeLayout(packed.tile_ptr, packed.key_tiles, torch.full_like(packed.key_tiles, -1), 1,
+                            packed.seq_len, sink_window)
+    if packed.heads % kv_heads:
+        raise LayoutError(f"a layout of {packed.heads} heads does not split into {kv_heads} KV head groups")
+    group = packed.heads // kv_heads
+    tiles = packed.tile_layout().view(kv_heads, group, packed.q_tiles, packed.q_tiles)
+    bits = (tiles.int() << torch.arange(group, dtype=torch.int32)[None, :, None, None]).sum(1, dtype=torch.int32)
+    union = tiles.any(1)
+    counts = union.sum(-1).flatten()
+    tile_ptr = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    tile_ptr[1:] = counts.cumsum(0)
+    kept = union.flatten(0, 1).nonzero()  # row-major: each list ascending
+    key_tiles = kept[:, 1].to(torch.int32)
+    head_bits = bits.flatten(0, 1)[kept[:, 0], kept[:, 1]]
+    return DecodeLayout(tile_ptr, key_tiles, head_bits, kv_heads, packed.seq_len)
 
 
 _compact_cache: dict[tuple, CompactLayout] = {}

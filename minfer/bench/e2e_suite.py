@@ -1,5 +1,6 @@
 """End-to-end benchmark: prefill and decode speed of a random-weight model at batch 1, minfer's
-kernels against the plain-torch path of the same model code (`ops.backend("torch")`).
+kernels against the plain-torch path of the same model code (`ops.backend("torch")`), or, given a
+block-sparse layout, minfer with that layout's attention against minfer with dense attention.
 
 Each backend gets a fresh Generator and one full warm-up generation (graph capture, library init);
 the next TIMED_RUNS generations are timed and their medians reported (a single 512-token prefill
@@ -8,8 +9,11 @@ measured 13-36 ms on one H100 from run to run). EOS is disabled so every run dec
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import statistics
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +23,9 @@ from ..generate import Generator
 from ..sampling import SamplingParams
 from .report import Column
 
-BACKENDS = ("minfer", "torch")
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 TIMED_RUNS = 3
 MEDIAN_STATS = ("prefill_ms", "ttft_ms", "decode_tok_s", "weight_gb_s")
 
@@ -33,13 +39,17 @@ COLUMNS = [
     Column("tok_s", "tok/s", "{:.1f}"),
     Column("gb_s", "weights GB/s", "{:.0f}"),
     Column("pct_copy", "% copy BW", "{:.1f}"),
-    Column("speedup", "vs torch", "{:.2f}x"),
+    Column("speedup", "vs base", "{:.2f}x"),
 ]
 
 
-def build_model(name: str, dtype: torch.dtype, seed: int = 0):
-    """A random-weight model of a known architecture on the GPU (no download)."""
+def build_model(name: str, dtype: torch.dtype, seed: int = 0, max_seq_len: int = 0):
+    """A random-weight model of a known architecture on the GPU (no download), with RoPE tables for
+    `max_seq_len` positions when that is beyond the architecture's limit."""
     resolved = resolve(name, "random")
+    if max_seq_len > resolved.config.max_position_embeddings:
+        resolved = dataclasses.replace(resolved, config=dataclasses.replace(resolved.config,
+                                                                            max_position_embeddings=max_seq_len))
     return load_model(resolved, dtype, "cuda", seed=seed)
 
 
@@ -50,15 +60,18 @@ def memory_held() -> int:
 
 
 def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int, embedding: str = "host",
-                    held_before: int = 0) -> dict:
+                    held_before: int = 0, layout: str | None = None) -> dict:
     """Generation stats on `backend`: the medians of TIMED_RUNS generations after a warm-up one, and
     the highest peak memory of those runs, less `held_before` bytes (see memory_held). minfer reads
     the token embedding from `embedding` ("host": pinned host memory, see
-    Transformer.place_embedding), the torch backend always from the GPU."""
+    Transformer.place_embedding), the torch backend always from the GPU. With a `layout`, attention is
+    block-sparse over it."""
     model.place_embedding(embedding if backend == "minfer" else "gpu")
     try:
         with ops.backend(backend):  # the Generator runs under the backend it was built in
-            generator = Generator(model, None, len(prompt_ids) + new_tokens, "cuda")
+            generator = Generator(model, None, len(prompt_ids) + new_tokens, "cuda",
+                                  attention="dense" if layout is None else "blocksparse",
+                                  attention_options=None if layout is None else {"layout": layout})
         generator.eos_id = None
         runs = [generator.generate(prompt_ids, SamplingParams(), max_new_tokens=new_tokens).stats.as_dict()
                 for _ in range(1 + TIMED_RUNS)][1:]  # the first captures the graphs and initialises libraries
@@ -74,15 +87,22 @@ def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int,
 
 def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int = 256,
         dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0,
-        embedding: str = "host") -> list[dict]:
+        embedding: str = "host", layout: str | None = None,
+        on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Rows per (backend, phase); 'speedup' is against torch's rows, or with a `layout` (minfer with dense
+    attention, then minfer with the layout) against dense attention's."""
     held_before = memory_held()
-    model = build_model(model_name, dtype, seed)
+    model = build_model(model_name, dtype, seed, prompt_tokens + new_tokens)
     prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
+    variants = [("minfer", "minfer", None), ("torch", "torch", None)]  # (ops backend, row label, layout)
+    if layout is not None:
+        variants = [("minfer", "minfer dense attention", None), ("minfer", f"minfer {layout}", layout)]
+    base = variants[-1 if layout is None else 0][1]
     rows = []
-    for backend in BACKENDS:
-        stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding, held_before)
-        common = {"model": model_name, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
+    for backend, label, variant_layout in variants:
+        stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding, held_before, variant_layout)
+        common = {"model": model_name, "backend": label, "dtype": str(dtype).removeprefix("torch."),
                   "embedding": model.embedding_place(),
                   "peak_mem_gb": stats["peak_mem_gb"]}
         rows.append({**common, "phase": "prefill", "tokens": prompt_tokens, "ms": stats["prefill_ms"],
@@ -91,10 +111,12 @@ def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int
         rows.append({**common, "phase": "decode", "tokens": stats["new_tokens"], "ms": 1e3 / stats["decode_tok_s"],
                      "tok_s": stats["decode_tok_s"], "gb_s": decode_gbs,
                      "pct_copy": 100 * decode_gbs / copy_gbs if copy_gbs else None})
+        on_row(rows[-2])
+        on_row(rows[-1])
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    torch_rows = {row["phase"]: row for row in rows if row["backend"] == "torch"}
+    base_rows = {row["phase"]: row for row in rows if row["backend"] == base}
     for row in rows:
-        row["speedup"] = row["tok_s"] / torch_rows[row["phase"]]["tok_s"]
+        row["speedup"] = row["tok_s"] / base_rows[row["phase"]]["tok_s"]
     return rows

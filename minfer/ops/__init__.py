@@ -12,12 +12,17 @@ Each op has three parts kept side by side:
 """
 
 from .attention import (
+    DECODE_ATTENTION_KEY_TILE,
     DECODE_ATTENTION_MAX_SPLITS,
+    blocksparse_decode_attention,
+    blocksparse_decode_attention_reference,
     decode_attention,
     decode_attention_reference,
     decode_attention_splits,
     decode_attention_supports,
     decode_attention_workspace,
+    sink_window_decode_attention,
+    sink_window_decode_attention_reference,
 )
 from .blocksparse_attention import (
     BLOCKSPARSE_KERNELS,
@@ -89,11 +94,12 @@ from .sparse24 import (
 from .tokens import argmax, argmax_reference, embedding, embedding_reference
 
 __all__ = [
-    "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
+    "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_KEY_TILE", "DECODE_ATTENTION_MAX_SPLITS", "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "MACKO_FUSED_MAX_COLS",
     "KSMM_DTYPES", "KSMM_PATHS", "KSMM_ROWS_MAX_D", "KSMM_ROWS_MAX_TOKENS",
     "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS", "MACKO_TILE_ROWS",
     "MACKO_WINDOW_COLS", "add_rms_norm", "argmax", "argmax_reference", "backend", "blocksparse_attention",
-    "blocksparse_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
+    "blocksparse_attention_reference", "blocksparse_decode_attention",
+    "blocksparse_decode_attention_reference", "blocksparse_tiles", "blocksparse_token_mask", "build", "build_for",
     "check_macko_arrays", "current_backend", "decode_attention", "decode_attention_reference",
     "decode_attention_splits", "decode_attention_supports", "decode_attention_workspace", "embedding",
     "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned", "kernels_run_on", "ksmm",
@@ -101,7 +107,8 @@ __all__ = [
     "macko_decompress", "macko_decompress_reference", "macko_k_splits", "macko_spmv", "macko_spmv_reference",
     "macko_spmv_tuned", "macko_tensor_core_spmm", "macko_tensor_core_spmm_tuned", "macko_uses_tensor_cores",
     "macko_window_table", "require_cuda", "rms_norm", "rms_norm_reference", "rope_write_kv",
-    "rope_write_kv_reference", "silu_mul", "silu_mul_reference", "target_arch_list", "unpack_nibbles", "use_kernels",
+    "rope_write_kv_reference", "silu_mul", "silu_mul_reference", "sink_window_decode_attention",
+    "sink_window_decode_attention_reference", "target_arch_list", "unpack_nibbles", "use_kernels",
     "SPARSE24_CHUNK_COLS", "SPARSE24_GEMV_MAX_TOKENS", "check_sparse24_arrays", "sparse24_decompress",
     "sparse24_decompress_reference", "sparse24_gemv",
 ]

@@ -1,7 +1,11 @@
 """Attention over the static KV cache (kernels/attention): split-K flash-decoding with GQA, one query
-token per sequence."""
+token per sequence, over every live position (decode_attention) or over the kept key tiles of a
+block-sparse layout (blocksparse_decode_attention, whose layout arrays come from
+minfer.attention.layouts.DecodeLayout)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +18,7 @@ DECODE_ATTENTION_MAX_GROUP = 16  # kDecodeAttnMaxGroup: query heads per KV head
 DECODE_ATTENTION_SPLIT_ROWS = 64  # kDecodeAttnWarps x kDecodeAttnStepRows: a split covers whole rounds of these
 DECODE_ATTENTION_HEAD_DIMS = (64, 128)
 DECODE_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+DECODE_ATTENTION_KEY_TILE = 64  # kDecodeAttnKeyTile: the layout's decode lists count tiles of this many positions
 
 
 def _kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
@@ -45,6 +50,61 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
     scores = scores.masked_fill(~live[:, 0], float("-inf"))
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(dim=-1), v).to(q.dtype)
+
+
+def blocksparse_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                            input_pos: torch.Tensor, scale: float, tile_ptr: torch.Tensor,
+                                            key_tiles: torch.Tensor, head_bits: torch.Tensor,
+                                            layout_groups: int) -> torch.Tensor:
+    """decode_attention_reference over the positions the layout keeps for the query at input_pos[0]: those
+    of the kept key tiles of its query tile (tiles of DECODE_ATTENTION_KEY_TILE), up to input_pos[0],
+    where query head j of a KV head's group reads a tile only if bit j of its head_bits entry is set. A
+    head that keeps no position gets zeros. Without a host sync: it runs in captured graphs."""
+    q_heads = q.shape[1]
+    kv_heads, max_seq_len = k_cache.shape[1], k_cache.shape[2]
+    group = q_heads // kv_heads
+    q_tiles = -(-max_seq_len // DECODE_ATTENTION_KEY_TILE)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    last = input_pos.reshape(-1)[0].clamp(0, max_seq_len - 1)
+    # Which entries of key_tiles belong to each layout group's list for this query tile.
+    lists = torch.arange(layout_groups, device=q.device) * q_tiles + last // DECODE_ATTENTION_KEY_TILE
+    entry = torch.arange(key_tiles.numel(), device=q.device)
+    in_list = (entry >= tile_ptr[lists, None]) & (entry < tile_ptr[lists + 1, None])  # [groups, nnz]
+    head_keeps = (head_bits[None, :] >> torch.arange(group, device=q.device)[:, None]) & 1  # [G, nnz]
+    kept_entries = (in_list[:, None] & head_keeps.bool()[None]).to(wide)  # [groups, G, nnz]
+    tiles = torch.zeros(layout_groups, group, q_tiles, dtype=wide, device=q.device)
+    tiles.scatter_add_(2, key_tiles.long().expand_as(kept_entries), kept_entries)
+    positions = torch.arange(max_seq_len, device=q.device)
+    kept = (tiles[..., positions // DECODE_ATTENTION_KEY_TILE] > 0) & (positions <= last)  # [groups, G, S]
+    kept = kept.expand(kv_heads, group, max_seq_len).reshape(q_heads, max_seq_len)
+    return _masked_decode_attention(q, k_cache, v_cache, kept, scale)
+
+
+def sink_window_decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                           input_pos: torch.Tensor, scale: float, sink: int, window: int,
+                                           block_size: int) -> torch.Tensor:
+    """decode_attention_reference over the sink-window layout's positions for the query at input_pos[0]
+    (minfer.attention.layouts, blocks of block_size tokens): the blocks holding one of the first `sink`
+    tokens or one of the last `window` tokens before some query of the query's block, up to input_pos[0]."""
+    max_seq_len = k_cache.shape[2]
+    last = input_pos.reshape(-1)[0].clamp(0, max_seq_len - 1)
+    positions = torch.arange(max_seq_len, device=q.device)
+    key_block, query_block = positions // block_size, last // block_size
+    kept = (key_block * block_size < sink) | ((key_block + 1) * block_size - 1 >= query_block * block_size - window + 1)
+    return _masked_decode_attention(q, k_cache, v_cache, (kept & (positions <= last))[None], scale)
+
+
+def _masked_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kept: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Attention of q [B, Hq, D] over the positions `kept` ([Hq or 1, S]) marks, in fp32 or wider; query
+    head h reads KV head h // (Hq / Hkv); a head that keeps none gets zeros."""
+    group = q.shape[1] // k_cache.shape[1]
+    wide = torch.promote_types(q.dtype, torch.float32)
+    k = torch.where(kept[None, :, :, None], k_cache.to(wide).repeat_interleave(group, dim=1), 0.0)
+    v = torch.where(kept[None, :, :, None], v_cache.to(wide).repeat_interleave(group, dim=1), 0.0)
+    scores = torch.einsum("bhd,bhsd->bhs", q.to(wide), k) * scale
+    weights = scores.masked_fill(~kept[None], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhs,bhsd->bhd", weights, v).to(q.dtype)
 
 
 def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device | str) -> int:
@@ -92,6 +152,18 @@ def _decode_attention_tuned_fake(q, k_cache, v_cache, input_pos, scale, out, wor
     return None
 
 
+@fake_impl("minfer::decode_attention_sink_window")
+def _decode_attention_sink_window_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, sink,
+                                       window, block_size):
+    return None
+
+
+@fake_impl("minfer::decode_attention_blocksparse")
+def _decode_attention_blocksparse_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, tile_ptr,
+                                       key_tiles, head_bits, layout_groups):
+    return None
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
                      scale: float, out: torch.Tensor | None = None,
                      workspace: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,3 +190,63 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.copy_(decode_attention_reference(q, k_cache, v_cache, input_pos, scale))
     return out
 
+
+
+def blocksparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 input_pos: torch.Tensor, scale: float, tile_ptr: torch.Tensor, key_tiles: torch.Tensor,
+                                 head_bits: torch.Tensor, layout_groups: int, out: torch.Tensor | None = None,
+                                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention over the kept key tiles only (blocksparse_decode_attention_reference says which).
+
+    The layout arrays (minfer.attention.layouts.DecodeLayout, built for the cache's max_seq_len) live on
+    q's device; the kernel finds the query tile's list from input_pos on the device, and its splits share
+    the kept tiles, so one captured launch serves every position. A workspace sized for the most kept
+    positions of any query tile (decode_attention_workspace with that length) keeps every split busy.
+    """
+    q_tiles = -(-k_cache.shape[2] // DECODE_ATTENTION_KEY_TILE)
+    if layout_groups not in (1, k_cache.shape[1]) or tile_ptr.numel() != layout_groups * q_tiles + 1:
+        raise MinferError(f"the decode layout ({layout_groups} groups, {tile_ptr.numel()} list bounds) does not fit a "
+                          f"cache of {k_cache.shape[1]} KV heads and {k_cache.shape[2]} positions; build it for them")
+    return _sparse_decode(
+        q, k_cache, out, workspace,
+        lambda out, workspace, splits: torch.ops.minfer.decode_attention_blocksparse(
+            q, k_cache, v_cache, input_pos, scale, out, workspace, splits, tile_ptr, key_tiles, head_bits,
+            layout_groups),
+        lambda: blocksparse_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, tile_ptr, key_tiles,
+                                                       head_bits, layout_groups))
+
+
+def sink_window_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 input_pos: torch.Tensor, scale: float, sink: int, window: int, block_size: int,
+                                 out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """blocksparse_decode_attention for the sink-window layout (`sink`, `window` tokens; layout blocks of
+    `block_size`, a multiple of DECODE_ATTENTION_KEY_TILE), whose kept tiles the kernel computes from
+    input_pos instead of reading lists: the same positions, with no list loads ahead of the K/V loads."""
+    if sink < 0 or window < 1 or block_size < 1 or block_size % DECODE_ATTENTION_KEY_TILE:
+        raise MinferError(f"sink-window decode takes sink >= 0, window >= 1 and blocks of a multiple of "
+                          f"{DECODE_ATTENTION_KEY_TILE}, got sink={sink}, window={window}, block_size={block_size}")
+    return _sparse_decode(
+        q, k_cache, out, workspace,
+        lambda out, workspace, splits: torch.ops.minfer.decode_attention_sink_window(
+            q, k_cache, v_cache, input_pos, scale, out, workspace, splits, sink, window, block_size),
+        lambda: sink_window_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, sink, window,
+                                                       block_size))
+
+
+def _sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None, workspace: torch.Tensor | None,
+                   kernel: Callable[[torch.Tensor, torch.Tensor, int], None],
+                   reference: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`kernel(out, workspace, splits)` when the CUDA kernel takes q (without a workspace, one for the whole
+    cache is allocated), else out = `reference()`."""
+    if out is None:
+        out = q.new_empty(q.shape)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if use_kernels(q) and decode_attention_supports(q.dtype, num_heads, num_kv_heads, head_dim):
+        if workspace is None:
+            workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[2],
+                                                   q.device)
+        kernel(out, workspace, _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim))
+    else:
+        out.copy_(reference())
+    return out
