@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         return parallel.launch([sys.executable, str(Path(__file__).resolve()), *argv], args.tp)
     try:
         return run_app(run, args)
+    except torch.distributed.DistError as e:  # another rank stopped (or timed out) inside a collective
+        note(f"error: tensor-parallel collective failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+        return 2
     finally:
         parallel.shutdown()
 
