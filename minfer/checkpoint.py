@@ -238,7 +238,8 @@ def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device
         return random_init(model, seed, dtype, device)
     if sharding.active and (resolved.path.is_file() or is_compressed(resolved.path)):
         raise CheckpointError(f"{resolved.name}: tensor parallelism loads safetensors checkpoints (dense, then "
-                              "--sparse per rank) and random weights; run a GGUF file or a compressed folder on one GPU")
+                              "--sparse per rank) and random weights; run a GGUF file or a compressed folder on one "
+                              "GPU")
     if resolved.path.is_file():  # resolve() takes files only as GGUF
         return load_gguf(model, resolved.path, dtype, device, progress)
     if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats

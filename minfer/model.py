@@ -92,11 +92,14 @@ class Linear(nn.Module):
         `residual` in place when given (WeightFormat.project: decode kernels fuse these steps)."""
         if norm is None and residual is None and not silu_mul:
             return self.fmt(x)
-        if residual is not None and self.row_parallel.active:
+        row_parallel = residual is not None and self.row_parallel.active
+        if row_parallel:
             self.row_parallel.zero_partial_(residual)
         out = self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
                                silu_mul)
-        return out if residual is None else self.row_parallel.all_reduce_(out)
+        if row_parallel:
+            self.row_parallel.all_reduce_(residual)
+        return out
 
 
 EMBEDDING_PLACES = ("host", "gpu")  # Transformer.place_embedding

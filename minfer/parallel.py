@@ -13,7 +13,9 @@ residual + o_proj(x). `Sharding` carries the rank, the group and these steps; th
 rank) makes every step a no-op, so the single-GPU model is the same code.
 
 Process groups come from the torch.distributed environment (torchrun's, or `launch`'s): NCCL on CUDA,
-gloo on the CPU, with NVLink multicast kept off (`RANK_ENV`).
+gloo on the CPU, with NVLink multicast kept off (`RANK_ENV`). A decode step's all-reduces (one hidden
+vector each) are latency-bound; with MINFER_TP_ALLREDUCE=symm-mem they run torch's symmetric-memory
+one-shot all-reduce instead of NCCL's (each rank reads its peers' buffers over NVLink; no multicast).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -40,6 +42,37 @@ from .errors import MinferError
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # How long a rank waits in a collective for the others (a rank that died ends the rest by then).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+ALLREDUCE_CHOICES = ("nccl", "symm-mem")  # $MINFER_TP_ALLREDUCE
+SYMM_MEM_MAX_ELEMENTS = 16384  # all-reduces up to this size (a decode step's hidden vectors) take symmetric memory
+
+
+class SymmetricAllReduce:
+    """torch's one-shot all-reduce (symm_mem.one_shot_all_reduce_out: each rank sums its peers' buffers,
+    read over NVLink) through a float32 symmetric-memory buffer, made at the first call, which every rank
+    reaches eagerly before any graph capture. torch's kernel takes float32 and bfloat16 only, so the
+    tensor is staged in float32 (the sum is then exact to float32 for fp16 models too)."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        self.staged: torch.Tensor | None = None  # the symmetric buffer
+        self.summed: torch.Tensor | None = None
+
+    @staticmethod
+    def takes(tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and tensor.is_contiguous() and tensor.numel() <= SYMM_MEM_MAX_ELEMENTS
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if self.staged is None:
+            self.staged = symm_mem.empty(SYMM_MEM_MAX_ELEMENTS, dtype=torch.float32, device=tensor.device)
+            symm_mem.rendezvous(self.staged, self.group_name)
+            self.summed = torch.empty_like(self.staged)
+        flat = tensor.view(-1)
+        staged, summed = self.staged[:flat.numel()], self.summed[:flat.numel()]
+        staged.copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, summed)
+        flat.copy_(summed)
 
 
 @dataclass(frozen=True)
@@ -48,6 +81,7 @@ class Sharding:
 
     rank: int = 0
     world: int = 1
+    symmetric: SymmetricAllReduce | None = field(default=None, compare=False)  # small all-reduces, else NCCL
 
     @property
     def active(self) -> bool:
@@ -72,7 +106,9 @@ class Sharding:
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place (graph-capturable on NCCL)."""
-        if self.active:
+        if self.symmetric is not None and self.symmetric.takes(tensor):
+            self.symmetric(tensor)
+        elif self.active:
             dist.all_reduce(tensor)
         return tensor
 
@@ -142,8 +178,14 @@ def launched_world() -> int:
 
 def init(device_type: str) -> tuple[Sharding, torch.device]:
     """Join the process group the launcher's environment describes (NCCL for CUDA, gloo for the CPU)
-    and return this rank's Sharding and device (cuda:LOCAL_RANK)."""
+    and return this rank's Sharding and device (cuda:LOCAL_RANK), with the all-reduce $MINFER_TP_ALLREDUCE
+    names (nccl by default)."""
     world = launched_world()
+    allreduce = os.environ.get("MINFER_TP_ALLREDUCE", "nccl")
+    if allreduce not in ALLREDUCE_CHOICES:
+        raise MinferError(f"MINFER_TP_ALLREDUCE={allreduce} is not one of {', '.join(ALLREDUCE_CHOICES)}")
+    if allreduce == "symm-mem" and device_type != "cuda":
+        raise MinferError("MINFER_TP_ALLREDUCE=symm-mem needs CUDA GPUs; unset it for a CPU run")
     if world == 1:
         raise MinferError("init: this process was not started by a tensor-parallel launcher (WORLD_SIZE is unset)")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
@@ -159,7 +201,8 @@ def init(device_type: str) -> tuple[Sharding, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    return Sharding(rank, world), device
+    symmetric = SymmetricAllReduce(dist.group.WORLD.group_name) if allreduce == "symm-mem" else None
+    return Sharding(rank, world, symmetric), device
 
 
 def shutdown() -> None:

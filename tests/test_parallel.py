@@ -36,7 +36,8 @@ def gqa_model() -> Transformer:
 def gqa_folder(tmp_path_factory):
     """The tiny GQA model as a sharded safetensors checkpoint with the stories260K tokenizer (512 pieces)."""
     folder = save_hf(gqa_model(), tmp_path_factory.mktemp("tiny-gqa"), shard_size=100_000)
-    (folder / "tokenizer.model").write_bytes((Path(APP).parent.parent / "minfer/assets/stories260K/tokenizer.model").read_bytes())
+    tokenizer = Path(APP).parent.parent / "minfer/assets/stories260K/tokenizer.model"
+    (folder / "tokenizer.model").write_bytes(tokenizer.read_bytes())
     return folder
 
 
@@ -118,8 +119,8 @@ def test_tp_refusals_are_one_line(gqa_folder):
     assert len(lines) == 1 and "multiple of 3" in lines[0] and lines[0].startswith("error: "), result.stderr
     result = cli("--model", str(gqa_folder), "--device", "cpu", "--tp", "2", "--sparse", "macko", "--density", "0.5",
                  "--save-compressed", str(gqa_folder.parent / "out"))
-    assert result.returncode == 2 and result.stderr.splitlines()[-1].startswith("error: --save-compressed runs on one"), \
-        result.stderr
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and lines[-1].startswith("error: --save-compressed runs on one"), result.stderr
     assert not (gqa_folder.parent / "out").exists()
 
 
