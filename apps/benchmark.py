@@ -127,11 +127,16 @@ def check_output_path(flag: str, path: str) -> str:
     return path
 
 
-def run(args: argparse.Namespace) -> int:
+def check_suite_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the chosen suite would ignore (before --tp starts any rank)."""
     for name, suites in FLAG_SUITES.items():
         if getattr(args, name) is not None and args.suite not in suites:
             raise MinferError(f"--{name.replace('_', '-')} does not apply to --suite {args.suite}; it is for "
                               f"--suite {', '.join(suites)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_suite_flags(args)
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -253,9 +258,10 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.tp is not None and args.tp > 1 and parallel.launched_world() == 1:  # start the ranks, each runs this
-        return parallel.launch([sys.executable, str(Path(__file__).resolve()), *argv], args.tp)
     try:
+        if args.tp is not None and args.tp > 1 and parallel.launched_world() == 1:  # start the ranks, each runs this
+            check_suite_flags(args)
+            return parallel.launch([sys.executable, str(Path(__file__).resolve()), *argv], args.tp)
         return run(args)
     except MinferError as exc:
         print(f"error: {exc}", file=sys.stderr)

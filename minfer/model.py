@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, ContextLengthError, MinferError
 from .formats import DenseWeight, WeightFormat
 from .kv_cache import KVCache
-from .parallel import SINGLE, Sharding, TensorPlace, tensor_places
+from .parallel import SINGLE, Sharding, shard_index
 
 # ----------------------------------------------------------------------------------------------
 # RoPE tables
@@ -344,3 +345,27 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, .
             hf + "post_attention_layernorm.weight": (f"layers.{i}.post_attention_layernorm.weight", 0, (h,)),
         }
     return layout
+
+
+class TensorPlace(NamedTuple):
+    """Where one HF checkpoint tensor goes on a tensor-parallel rank: rows [row, row + shape[0]) of minfer
+    tensor `target`, filled from `source[index]` (the rank's slice of the HF tensor)."""
+
+    target: str
+    row: int
+    shape: tuple[int, ...]
+    index: tuple[slice, ...]
+
+
+def tensor_places(config: ModelConfig, sharding: Sharding = SINGLE) -> dict[str, TensorPlace]:
+    """HF tensor name -> its TensorPlace on the rank of `sharding`: hf_tensor_map of the rank's layer config,
+    with the embedding whole and lm_head's vocabulary split."""
+    full = hf_tensor_map(config)
+    places = {}
+    for name, (target, row, shape) in hf_tensor_map(sharding.layer_config(config)).items():
+        if name == "lm_head.weight":
+            shape = (config.vocab_size // sharding.world, config.hidden_size)
+        elif name == "model.embed_tokens.weight":
+            shape = full[name][2]
+        places[name] = TensorPlace(target, row, shape, shard_index(full[name][2], shape, sharding.rank))
+    return places

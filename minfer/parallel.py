@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -133,37 +132,10 @@ class Sharding:
 SINGLE = Sharding()
 
 
-class TensorPlace(NamedTuple):
-    """Where one HF checkpoint tensor goes on this rank: rows [row, row + shape[0]) of minfer tensor
-    `target`, filled from `source[index]` (this rank's slice of the HF tensor)."""
-
-    target: str
-    row: int
-    shape: tuple[int, ...]
-    index: tuple[slice, ...]
-
-
 def shard_index(full: tuple[int, ...], local: tuple[int, ...], rank: int) -> tuple[slice, ...]:
     """This rank's slice of a tensor of shape `full` that ranks split evenly into `local`-shaped parts
     (along the one dimension where the shapes differ; whole when they are equal)."""
     return tuple(slice(None) if f == n else slice(rank * n, (rank + 1) * n) for f, n in zip(full, local))
-
-
-def tensor_places(config: ModelConfig, sharding: Sharding = SINGLE) -> dict[str, TensorPlace]:
-    """HF tensor name -> its TensorPlace on this rank (hf_tensor_map of the rank's layer config; the
-    embedding whole, lm_head's vocabulary split)."""
-    from .model import hf_tensor_map  # model imports this module
-
-    full = hf_tensor_map(config)
-    local = hf_tensor_map(sharding.layer_config(config))
-    places = {}
-    for name, (target, row, shape) in local.items():
-        if name == "lm_head.weight":
-            shape = (config.vocab_size // sharding.world, config.hidden_size)
-        elif name == "model.embed_tokens.weight":
-            shape = full[name][2]
-        places[name] = TensorPlace(target, row, shape, shard_index(full[name][2], shape, sharding.rank))
-    return places
 
 
 # ----------------------------------------------------------------------------------------------
