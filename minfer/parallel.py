@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -153,13 +154,13 @@ def init(device_type: str) -> tuple[Sharding, torch.device]:
     and return this rank's Sharding and device (cuda:LOCAL_RANK), with the all-reduce $MINFER_TP_ALLREDUCE
     names (nccl by default)."""
     world = launched_world()
+    if world == 1:
+        raise MinferError("init: this process was not started by a tensor-parallel launcher (WORLD_SIZE is unset)")
     allreduce = os.environ.get("MINFER_TP_ALLREDUCE", "nccl")
     if allreduce not in ALLREDUCE_CHOICES:
         raise MinferError(f"MINFER_TP_ALLREDUCE={allreduce} is not one of {', '.join(ALLREDUCE_CHOICES)}")
     if allreduce == "symm-mem" and device_type != "cuda":
         raise MinferError("MINFER_TP_ALLREDUCE=symm-mem needs CUDA GPUs; unset it for a CPU run")
-    if world == 1:
-        raise MinferError("init: this process was not started by a tensor-parallel launcher (WORLD_SIZE is unset)")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     for key, value in RANK_ENV.items():
         os.environ.setdefault(key, value)
@@ -225,13 +226,16 @@ def launch(command: list[str], world: int, poll_s: float = 0.1, grace_s: float =
     rank 0 to report the same error itself: one error line (rank 0's, else the failed rank's), never a hang."""
     port = _free_port()
     ranks, logs = [], []
-    for rank in range(world):
-        env = os.environ | RANK_ENV | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-                                       "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
-        logs.append(tempfile.TemporaryFile("w+") if rank else None)  # a file, not a pipe: it never fills up
-        ranks.append(subprocess.Popen(command, env=env, stderr=logs[-1]))
+    # A launcher ended by SIGTERM (`timeout`, a job scheduler) still ends its ranks, in the finally below.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    failed = None
     try:
-        failed = None
+        for rank in range(world):
+            env = os.environ | RANK_ENV | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                           "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                           "LOCAL_WORLD_SIZE": str(world)}
+            logs.append(tempfile.TemporaryFile("w+") if rank else None)  # a file, not a pipe: it never fills up
+            ranks.append(subprocess.Popen(command, env=env, stderr=logs[-1]))
         while failed is None and any(p.poll() is None for p in ranks):
             failed = next((r for r, p in enumerate(ranks) if p.poll() not in (None, 0)), None)
             time.sleep(poll_s)
@@ -247,6 +251,7 @@ def launch(command: list[str], world: int, poll_s: float = 0.1, grace_s: float =
                 p.kill()
         for p in ranks:
             p.wait()
+        signal.signal(signal.SIGTERM, previous)
     if failed is None:
         return 0
     code = ranks[failed].returncode
