@@ -12,6 +12,7 @@ Examples:
   python apps/benchmark.py --suite ksmm --reps 5 --new-tokens 64 --json out/ksmm.json --plot out/ksmm.png
   python apps/benchmark.py --suite attention --phases decode --lengths 4096,32768
   python apps/benchmark.py --suite e2e --context 32768 --attention blocksparse --layout sink-window:sink=128,window=2048
+  python apps/benchmark.py --suite e2e --model llama2-70b --tp 2 --prompt-tokens 32 --new-tokens 128
 
 Kernels run back to back inside a CUDA graph over input copies rotated past L2 (median of replays);
 bandwidth is reported against the device-to-device copy rate measured in the same run. The e2e
@@ -43,7 +44,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import torch  # noqa: E402
 
-from minfer import ops  # noqa: E402
+from minfer import ops, parallel  # noqa: E402
 from minfer.cli import ArgumentParser, run_main  # noqa: E402
 from minfer.bench import (attention_suite, e2e_suite, kernel_suite, ksmm_suite, macko_suite, report,  # noqa: E402
                           sparse24_suite)
@@ -95,6 +96,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--embedding", choices=EMBEDDING_PLACES, default=None,
                         help="e2e suites: where minfer keeps the token embedding (default host: pinned memory, one "
                              "row read per decode step over PCIe, 262 MB less GPU memory for llama2-7b)")
+    parser.add_argument("--tp", type=positive_int, default=None, metavar="N",
+                        help="e2e suites: split the model over N GPUs of this host (tensor parallelism, one process "
+                             "each, started here or by torchrun); memory and bandwidth are then per GPU")
     parser.add_argument("--lengths", type=csv_list, default=None, metavar="S,...",
                         help="attention: sequence lengths (default: "
                              f"{','.join(str(n) for n in attention_suite.LENGTHS)})")
@@ -120,8 +124,9 @@ FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
                "plot": ("kernels", "e2e", "macko-e2e", "attention", "ksmm", "all"),
                "lengths": ("attention",), "phases": ("attention",), "context": ("e2e",), "attention": ("e2e",),
                "layout": ("e2e",),
-               "reps": ("kernels", "macko", "sparse24", "ksmm", "all"), "model": E2E_SUITES, "prompt_tokens": E2E_SUITES,
-               "new_tokens": E2E_SUITES, "embedding": E2E_SUITES}
+               "reps": ("kernels", "macko", "sparse24", "ksmm", "all"), "model": E2E_SUITES,
+               "prompt_tokens": E2E_SUITES, "new_tokens": E2E_SUITES, "embedding": E2E_SUITES,
+               "tp": ("e2e", "macko-e2e")}
 
 
 def check_e2e_model(args: argparse.Namespace) -> None:
@@ -160,13 +165,18 @@ def check_output_path(flag: str, path: str) -> str:
     return path
 
 
-def run(args: argparse.Namespace) -> int:
+def check_suite_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag the chosen suite would ignore (before --tp starts any rank)."""
     for name, suites in FLAG_SUITES.items():
         if getattr(args, name) is not None and args.suite not in suites:
             raise MinferError(f"--{name.replace('_', '-')} does not apply to --suite {args.suite}; it is for "
                               f"--suite {', '.join(suites)}")
     if args.context is not None and args.prompt_tokens is not None:
         raise MinferError("--context sets the prompt length (context - new tokens): drop --prompt-tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_suite_flags(args)
     for name, value in DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -191,6 +201,14 @@ def run(args: argparse.Namespace) -> int:
         raise MinferError(f"--phases: choose among {','.join(attention_suite.PHASES)}, got {','.join(args.phases)}")
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
+    sharding = parallel.SINGLE
+    if parallel.launched_world() > 1:
+        if args.tp not in (None, parallel.launched_world()):
+            raise MinferError(f"--tp {args.tp} but the launcher started {parallel.launched_world()} processes")
+        sharding, _ = parallel.init("cuda")
+        parallel.quiet_other_ranks(sharding)
+        if sharding.rank:  # rank 0 alone writes the files
+            args.json = args.plot = None
     ops.build()
     dtype = DTYPES[args.dtype]
     env = report.environment()
@@ -221,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if args.suite in ("e2e", "all"):
         env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
         e2e_rows = e2e_suite.run(args.model, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
-                                 embedding=args.embedding, layout=args.layout,
+                                 embedding=args.embedding, layout=args.layout, sharding=sharding,
                                  on_row=lambda row: print(f"  e2e {row['backend']} {row['phase']}: {row['tok_s']:.1f} "
                                                           "tok/s", flush=True))
         write_json()
@@ -273,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         macko_rows = macko_suite.e2e_rows(
             args.model, densities, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
             on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True),
-            embedding=args.embedding)
+            embedding=args.embedding, sharding=sharding)
     print(f"device copy bandwidth: {env['copy_gbs']:.0f} GB/s (read + write)")
     if attention_rows:
         attention_suite.print_report(env, attention_rows, attention_fit, args.dtype)
@@ -320,12 +338,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.tp is not None and args.tp > 1 and parallel.launched_world() == 1:  # start the ranks, each runs this
+            check_suite_flags(args)
+            return parallel.launch([sys.executable, str(Path(__file__).resolve()), *argv], args.tp)
         return run(args)
     except MinferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        parallel.shutdown()
 
 
 if __name__ == "__main__":

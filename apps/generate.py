@@ -17,6 +17,11 @@ Examples:
   python apps/generate.py --model ./l7-macko
   python apps/generate.py --model llama2-7b --weights random --max-seq-len 32768 --attention blocksparse \
       --layout sink-window:sink=64,window=1024 --layout-plot layout.png
+  python apps/generate.py --model llama2-70b --weights random --tp 2
+  torchrun --nproc-per-node 2 apps/generate.py --model llama2-70b --weights random --sparse macko --density 0.5
+
+Tensor parallelism (--tp N, or started by torchrun) splits every projection and the KV cache over N GPUs
+of this host (NCCL; gloo with --device cpu); rank 0 alone prints and writes --json.
 
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
@@ -48,6 +53,7 @@ from minfer.demo import DEMO_PROMPT  # noqa: E402
 from minfer.errors import MinferError  # noqa: E402
 from minfer.generate import Generator, check_prompt_ids  # noqa: E402
 from minfer.model import EMBEDDING_PLACES  # noqa: E402
+from minfer import parallel  # noqa: E402
 from minfer.runtime import (  # noqa: E402
     DEFAULT_MAX_SEQ_LEN,
     RANDOM_WEIGHTS_MAX_SEQ_LEN,
@@ -73,6 +79,9 @@ def build_parser() -> ArgumentParser:
                        help="where the token embedding lives on a GPU run: host = pinned host memory, read one row "
                             "per step over PCIe, vocab x hidden weights less GPU memory (default with --backend "
                             "minfer; the torch backend keeps it on the gpu)")
+    model.add_argument("--tp", type=int, default=None, metavar="N",
+                       help="tensor parallelism: split the model over N GPUs of this host, one process each (started "
+                            "here; under torchrun N is its --nproc-per-node); N must divide the key/value heads")
     model.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                        help=f"context length: KV cache positions for prompt + generated tokens "
                             f"(default: the model's limit, at most {DEFAULT_MAX_SEQ_LEN}; with --weights random up "
@@ -105,9 +114,26 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def tensor_parallel(args: argparse.Namespace) -> tuple[parallel.Sharding, torch.device]:
+    """This process's rank and device: one rank, or the process group a launcher started it in."""
+    world = parallel.launched_world()
+    if args.tp is not None and args.tp < 1:
+        raise MinferError(f"--tp must be at least 1, got {args.tp}")
+    if args.tp not in (None, world):
+        raise MinferError(f"--tp {args.tp} but the launcher started {world} processes; pass one of them")
+    if world == 1:
+        return parallel.SINGLE, pick_device(args.device)
+    if args.device not in (None, "cpu", "cuda"):
+        raise MinferError(f"--device {args.device}: tensor-parallel rank r runs on cuda:r; pass --device cuda or cpu")
+    sparsity_cli.check_tensor_parallel(args)
+    sharding, device = parallel.init("cpu" if args.device == "cpu" else "cuda")
+    parallel.quiet_other_ranks(sharding)
+    return sharding, device
+
+
 def run(args: argparse.Namespace) -> int:
     require_utf8(args.prompt, "--prompt")
-    device = pick_device(args.device)
+    sharding, device = tensor_parallel(args)
     dtype = pick_dtype(args.dtype, device)
     if args.max_new_tokens < 1:
         raise MinferError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -118,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     resolved = resolve(args.model, sparsity_cli.weights_source(args), args.tokenizer)
     sparsity_cli.check(args, resolved)
     config = resolved.config
+    sharding.check(config)
     tokenizer = Tokenizer(resolved.tokenizer_path)
     prompt_ids = tokenizer.chat_prompt(args.prompt) if args.chat else tokenizer.encode(args.prompt)
     check_prompt_ids(prompt_ids, config.vocab_size)
@@ -127,18 +154,20 @@ def run(args: argparse.Namespace) -> int:
     if max_seq_len > config.max_position_embeddings:  # random weights: RoPE tables for the longer context
         config = dataclasses.replace(config, max_position_embeddings=max_seq_len)
         resolved = dataclasses.replace(resolved, config=config)
-    check_memory(config, dtype, device, max_seq_len, sparsity_cli.stored_weight_bytes(args, resolved, dtype))
+    check_memory(config, dtype, device, max_seq_len, sparsity_cli.stored_weight_bytes(args, resolved, dtype),
+                 ranks=sharding.world)
     if args.layout is not None:
         show_layout(args, config.num_heads, max_seq_len)
 
-    model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed)
+    model = sparsity_cli.load_model(resolved, dtype, device, args, seed=args.seed, sharding=sharding)
     # The header only once the weights loaded: an error while loading stays the one line on stderr.
     dtype_name = str(dtype).removeprefix("torch.")
     params_count = config.param_count()
     size = f"{params_count / 1e9:.2f}B" if params_count >= 1e9 else f"{params_count / 1e6:.1f}M"
     stored = sparsity_cli.compressed_source(args, resolved) is not None
     sparse = formats.format_class(sparsity_cli.sparse_format(args)).name
-    note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {device}, "
+    where = f"{sharding.world} x {device.type} (tensor parallel)" if sharding.active else str(device)
+    note(f"minfer: {resolved.name} ({size} parameters, {dtype_name}) on {where}, "
          f"{'random' if resolved.is_random else 'checkpoint'} weights, "
          f"{'projections as stored compressed' if stored else f'sparse={sparse}'}")
     if resolved.is_random:
@@ -158,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         result = generator.generate(prompt_ids, params, args.max_new_tokens)
         print(json.dumps({"model": resolved.name, "random_weights": resolved.is_random, "device": str(device),
+                          "tensor_parallel": sharding.world,
                           "dtype": dtype_name, "sparse": sparsity_cli.weight_formats(model),
                           "sparsity": None if sparsity is None else report_summary(sparsity), "prompt_ids": prompt_ids,
                           "generated_ids": result.tokens, "text": result.text, "stats": result.stats.as_dict()}))
@@ -220,7 +250,17 @@ def print_stats(stats, device: torch.device, is_random: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_app(run, build_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.tp is not None and args.tp > 1 and parallel.launched_world() == 1:  # start the ranks, each runs this
+        return parallel.launch([sys.executable, str(Path(__file__).resolve()), *argv], args.tp)
+    try:
+        return run_app(run, args)
+    except torch.distributed.DistError as e:  # another rank stopped (or timed out) inside a collective
+        note(f"error: tensor-parallel collective failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+        return 2
+    finally:
+        parallel.shutdown()
 
 
 if __name__ == "__main__":

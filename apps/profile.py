@@ -7,6 +7,7 @@ cudaProfilerStart/Stop, so that a profiler sees exactly that region:
   nsys profile --capture-range=cudaProfilerApi python apps/profile.py --op decode --layers 0
   ncu --set full --profile-from-start off -k regex:macko_spmv python apps/profile.py --op decode --sparse macko
   python apps/profile.py --op decode --timeline [--sparse macko --density 0.5]
+  python apps/profile.py --op decode --timeline --tp 2 --model llama2-70b   # rank 0's step, all-reduces included
 
 `--timeline` needs no external profiler: it traces CUDA-graph decode steps with the torch profiler
 (CUPTI) and prints what each kernel adds to a step's critical path (minfer/bench/decode_timeline.py).
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 
 from minfer.bench import decode_timeline as timeline  # noqa: E402
 from minfer.cli import ArgumentParser, run_main  # noqa: E402
-from minfer import ops  # noqa: E402
+from minfer import ops, parallel  # noqa: E402
 from minfer.bench import kernel_suite  # noqa: E402
 from minfer.bench.arg_types import csv_list  # noqa: E402
 from minfer.bench.e2e_suite import build_model  # noqa: E402
@@ -72,6 +73,9 @@ def build_parser() -> ArgumentParser:
                              "step: every layer, the final norm and lm_head, ~10 min)")
     parser.add_argument("--timeline", action="store_true",
                         help="decode: trace graph-replayed steps and print each kernel's share of a step")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="decode --timeline: split the model over N GPUs (tensor parallelism, one process each); "
+                             "rank 0's step is traced, its all-reduces included")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"decode --timeline: traced steps (default {TIMELINE_STEPS})")
     parser.add_argument("--sparse", choices=format_choices(), default="none",
@@ -131,10 +135,10 @@ def check_decode_context(args: argparse.Namespace) -> None:
                           f"{config.max_position_embeddings} {args.model} supports; pass a smaller --context")
 
 
-def decode_model(args: argparse.Namespace):
-    """--model with random weights, its projections pruned by magnitude and stored in a sparse --sparse
-    format; returns the model and a label for the output."""
-    model = build_model(args.model, DTYPES[args.dtype])
+def decode_model(args: argparse.Namespace, sharding: parallel.Sharding = parallel.SINGLE):
+    """--model with random weights (this rank's part under tensor parallelism), its projections pruned by
+    magnitude and stored in a sparse --sparse format; returns the model and a label for the output."""
+    model = build_model(args.model, DTYPES[args.dtype], sharding=sharding)
     fmt = format_class(args.sparse)
     if fmt is DenseWeight:
         return model, "dense"
@@ -173,7 +177,13 @@ def profile_decode(args: argparse.Namespace) -> None:
 
 @torch.inference_mode()
 def decode_timeline(args: argparse.Namespace) -> None:
-    model, label = decode_model(args)
+    sharding = parallel.SINGLE
+    if parallel.launched_world() > 1:
+        sharding, _ = parallel.init("cuda")
+        parallel.quiet_other_ranks(sharding)
+    model, label = decode_model(args, sharding)
+    if sharding.active:
+        label += f", TP {sharding.world} (rank 0)"
     generator = Generator(model, None, args.context + args.steps + 2, "cuda")
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=torch.Generator().manual_seed(0))
     rows, step_us = timeline.run(generator, prompt.tolist(), args.steps)
@@ -201,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = TIMELINE_STEPS
     if args.layers is not None and (args.op != DECODE or args.timeline):
         parser.error("--layers cuts the profiled decode step: use it with --op decode, without --timeline")
+    if args.tp is not None and (args.tp < 1 or not args.timeline):
+        parser.error("--tp N (N >= 1) splits the model of --op decode --timeline")
+    if (args.tp or 1) > 1 and parallel.launched_world() == 1:  # start the ranks, each runs this
+        return parallel.launch([sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:])], args.tp)
     if args.steps < 2 or args.context < 1 or args.iters < 1 or (args.layers or 0) < 0:
         parser.error("--steps must be at least 2, --context and --iters at least 1, --layers at least 0")
     if args.density is not None:
@@ -226,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     except MinferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        parallel.shutdown()
     return 0
 
 

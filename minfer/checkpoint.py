@@ -26,6 +26,7 @@ from .errors import CheckpointError, MinferError, UnknownModelError
 from .gguf_source import GGUFCheckpoint
 from .gguf_source import find_tokenizer as gguf_tokenizer
 from .model import Transformer, hf_tensor_map
+from .parallel import SINGLE, Sharding
 from .safetensors_io import open_safetensors
 from .sparsity.compressed import holds_random_weights, is_compressed, load_compressed
 from .tokenizer import BUNDLED_TOKENIZER, bundled_tokenizer_path
@@ -209,10 +210,10 @@ def _inside_folder(folder: Path, name: str, what: str) -> Path:
 
 def _targets(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
     """Allocate the meta-built model on `device` (every weight once, uninitialized) and return its
-    checkpoint tensors, after checking they are exactly the ones the HF layout fills."""
-    layout = hf_tensor_map(model.config)
+    checkpoint tensors, after checking they are exactly the ones the HF layout fills (on a tensor-parallel
+    rank: its slices)."""
     expected: dict[str, tuple[int, ...]] = {}
-    for name, row, shape in layout.values():
+    for name, row, shape, _ in model.tensor_places().values():
         expected[name] = (max(expected.get(name, (0,))[0], row + shape[0]), *shape[1:])
     model.materialize(device, dtype)
     targets = model.checkpoint_tensors()
@@ -227,13 +228,18 @@ def _targets(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -
 
 
 def load_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
-               progress: bool = False) -> nn.Module:
-    """The Transformer of a resolved model on `device`: its checkpoint, or seeded random weights."""
-    model = Transformer(resolved.config)
+               progress: bool = False, sharding: Sharding = SINGLE) -> nn.Module:
+    """The Transformer of a resolved model on `device`: its checkpoint, or seeded random weights; with a
+    `sharding` of several ranks, this rank's part of it (each rank reads only its slices)."""
+    model = Transformer(resolved.config, sharding)
     if resolved.path is None:
         if not resolved.is_random:
             raise CheckpointError(f"{resolved.name} was resolved without weights; load them from their own file")
         return random_init(model, seed, dtype, device)
+    if sharding.active and (resolved.path.is_file() or is_compressed(resolved.path)):
+        raise CheckpointError(f"{resolved.name}: tensor parallelism loads safetensors checkpoints (dense, then "
+                              "--sparse per rank) and random weights; run a GGUF file or a compressed folder on one "
+                              "GPU")
     if resolved.path.is_file():  # resolve() takes files only as GGUF
         return load_gguf(model, resolved.path, dtype, device, progress)
     if is_compressed(resolved.path):  # written by --save-compressed: projections in their formats
@@ -272,19 +278,20 @@ def load_weights(model: nn.Module, path: str | Path, dtype: torch.dtype, device:
             if stored.get_dtype() not in _FLOAT_DTYPES:  # integers or booleans would be cast into nonsense weights
                 raise CheckpointError(f"tensor {name} in {file.name} is stored as {stored.get_dtype()}, expected "
                                       f"float weights ({', '.join(_FLOAT_DTYPES)})")
-        # one tensor at a time, from the mmap
-        return copy_weights(model, lambda name: handles[files[name]].get_tensor(name), dtype, device, progress)
+        # one tensor (or a tensor-parallel rank's slice of it) at a time, from the mmap
+        return copy_weights(model, lambda name: handles[files[name]].get_slice(name), dtype, device, progress)
 
 
 def copy_weights(model: nn.Module, read: Callable[[str], torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str, progress: bool = False) -> nn.Module:
     """Allocate a meta-built Transformer on `device` and copy each HF-named tensor `read(name)` into
-    its place (cast to `dtype`); the caller has checked that every tensor is there in its shape."""
+    its place (cast to `dtype`); `read` may return a lazy slice (safetensors' get_slice), of which only
+    this rank's part is read. The caller has checked that every tensor is there in its shape."""
     targets = _targets(model, dtype, device)
     with torch.no_grad():
-        for name, (target, row, shape) in tqdm(hf_tensor_map(model.config).items(), desc="loading", unit="tensor",
-                                               disable=not progress):
-            targets[target][row:row + shape[0]].copy_(read(name))
+        for name, (target, row, shape, index) in tqdm(model.tensor_places().items(), desc="loading", unit="tensor",
+                                                      disable=not progress):
+            targets[target][row:row + shape[0]].copy_(read(name)[index])
     return model
 
 
@@ -320,6 +327,8 @@ def random_init(model: nn.Module, seed: int, dtype: torch.dtype, device: torch.d
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under HF names (views), fused matrices split back into q/k/v and gate/up."""
+    if model.sharding.active:
+        raise MinferError("saving writes a whole model; a tensor-parallel rank holds only its slices")
     tensors = model.checkpoint_tensors()
     return {name: tensors[target][row:row + shape[0]]
             for name, (target, row, shape) in hf_tensor_map(model.config).items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, ContextLengthError, MinferError
 from .formats import DenseWeight, WeightFormat
 from .kv_cache import KVCache
+from .parallel import SINGLE, Sharding, shard_index
 
 # ----------------------------------------------------------------------------------------------
 # RoPE tables
@@ -72,11 +74,13 @@ def rope_tables(config: ModelConfig, max_seq_len: int, device) -> tuple[torch.Te
 
 
 class Linear(nn.Module):
-    """A bias-free projection whose weight lives in one `WeightFormat` (child module `fmt`)."""
+    """A bias-free projection whose weight lives in one `WeightFormat` (child module `fmt`). A row-parallel
+    one (`row_parallel`, the Sharding of a tensor-parallel model) sums its residual update over the ranks."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int, row_parallel: Sharding = SINGLE):
         super().__init__()
         self.fmt: WeightFormat = DenseWeight(torch.empty(out_features, in_features))
+        self.row_parallel = row_parallel
 
     def set_format(self, fmt: WeightFormat) -> None:
         if fmt.shape != self.fmt.shape:
@@ -89,8 +93,14 @@ class Linear(nn.Module):
         `residual` in place when given (WeightFormat.project: decode kernels fuse these steps)."""
         if norm is None and residual is None and not silu_mul:
             return self.fmt(x)
-        return self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
-                                silu_mul)
+        row_parallel = residual is not None and self.row_parallel.active
+        if row_parallel:
+            self.row_parallel.zero_partial_(residual)
+        out = self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
+                               silu_mul)
+        if row_parallel:
+            self.row_parallel.all_reduce_(residual)
+        return out
 
 
 EMBEDDING_PLACES = ("host", "gpu")  # Transformer.place_embedding
@@ -118,11 +128,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """`config`: the rank's layer config (its heads); o_proj sums over the ranks of `sharding`."""
+
+    def __init__(self, config: ModelConfig, sharding: Sharding = SINGLE):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.qkv_proj = Linear(config.hidden_size, config.q_size + 2 * config.kv_size)
-        self.o_proj = Linear(config.q_size, config.hidden_size)
+        self.o_proj = Linear(config.q_size, config.hidden_size, row_parallel=sharding)
         self.kv_cache: KVCache | None = None
         self.backend: AttentionBackend | None = None  # the model's, set with the cache (setup_caches)
 
@@ -143,10 +155,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, sharding: Sharding = SINGLE):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)  # rows: gate, then up
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, row_parallel=sharding)
 
     def forward(self, residual: torch.Tensor, norm: RMSNorm) -> None:
         """residual += down_proj(silu(gate) * up) of gate_up_proj(norm(residual)), in place."""
@@ -154,12 +166,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, sharding: Sharding = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, sharding)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, sharding)
 
     def forward(self, residual: torch.Tensor, step: AttentionPass, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Updates the residual stream in place: attention, then the MLP, each on its normed input."""
@@ -169,16 +181,25 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Llama decoder. Built on the meta device (no memory); `materialize` allocates it, a loader
-    (`minfer.checkpoint`) fills `checkpoint_tensors()`, and `setup_caches` prepares generation."""
+    (`minfer.checkpoint`) fills `checkpoint_tensors()`, and `setup_caches` prepares generation.
 
-    def __init__(self, config: ModelConfig):
+    With a `sharding` of several ranks it is one rank's part of a tensor-parallel model (minfer.parallel):
+    `config` stays the whole model's, `layer_config` holds this rank's heads and MLP width, and lm_head
+    this rank's slice of the vocabulary."""
+
+    def __init__(self, config: ModelConfig, sharding: Sharding = SINGLE):
         super().__init__()
         self.config = config
+        self.sharding = sharding
+        self.layer_config = sharding.layer_config(config)
+        if sharding.active and config.tie_word_embeddings:
+            raise MinferError("tensor parallelism splits lm_head by vocabulary, so a model whose lm_head is tied to "
+                              "its embedding runs on one GPU only")
         with torch.device("meta"):
             self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-            self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+            self.layers = nn.ModuleList(Block(self.layer_config, sharding) for _ in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size // sharding.world)
         self._tie_lm_head()
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
@@ -228,6 +249,10 @@ class Transformer(nn.Module):
             del tensors["lm_head.fmt.weight"]
         return tensors
 
+    def tensor_places(self) -> dict[str, TensorPlace]:
+        """HF tensor name -> where (this rank's slice of) it goes among `checkpoint_tensors()`."""
+        return tensor_places(self.config, self.sharding)
+
     def projections(self) -> Iterator[tuple[str, Linear]]:
         """The attention and MLP linears: what `formats.convert` re-encodes (not embeddings/lm_head)."""
         for name, module in self.layers.named_modules(prefix="layers"):
@@ -261,11 +286,12 @@ class Transformer(nn.Module):
             )
         dtype = dtype or self.norm.weight.dtype
         device = torch.device(device or self.norm.weight.device)
-        self.attention = attention_class(attention).create(self.config, max_batch_size, max_seq_len, dtype, device,
+        layer_config = self.layer_config  # this rank's heads: its KV cache holds its KV groups only
+        self.attention = attention_class(attention).create(layer_config, max_batch_size, max_seq_len, dtype, device,
                                                            **(attention_options or {}))
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_batch_size, self.config.num_kv_heads, max_seq_len,
-                                               self.config.head_dim, dtype, device)
+            layer.self_attn.kv_cache = KVCache(max_batch_size, layer_config.num_kv_heads, max_seq_len,
+                                               layer_config.head_dim, dtype, device)
             layer.self_attn.backend = self.attention
         self.rope_cos, self.rope_sin = rope_tables(self.config, max_seq_len, device)
         self.positions = torch.arange(max_seq_len, device=device)
@@ -288,7 +314,8 @@ class Transformer(nn.Module):
         with self.attention.forward_pass(input_pos, tokens.shape[1], kv_len) as step:
             for layer in self.layers:
                 layer(residual, step, rope)
-        return self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)
+        logits = self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)
+        return self.sharding.gather_last_dim(logits)
 
 
 def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, ...]]]:
@@ -318,3 +345,27 @@ def hf_tensor_map(config: ModelConfig) -> dict[str, tuple[str, int, tuple[int, .
             hf + "post_attention_layernorm.weight": (f"layers.{i}.post_attention_layernorm.weight", 0, (h,)),
         }
     return layout
+
+
+class TensorPlace(NamedTuple):
+    """Where one HF checkpoint tensor goes on a tensor-parallel rank: rows [row, row + shape[0]) of minfer
+    tensor `target`, filled from `source[index]` (the rank's slice of the HF tensor)."""
+
+    target: str
+    row: int
+    shape: tuple[int, ...]
+    index: tuple[slice, ...]
+
+
+def tensor_places(config: ModelConfig, sharding: Sharding = SINGLE) -> dict[str, TensorPlace]:
+    """HF tensor name -> its TensorPlace on the rank of `sharding`: hf_tensor_map of the rank's layer config,
+    with the embedding whole and lm_head's vocabulary split."""
+    full = hf_tensor_map(config)
+    places = {}
+    for name, (target, row, shape) in hf_tensor_map(sharding.layer_config(config)).items():
+        if name == "lm_head.weight":
+            shape = (config.vocab_size // sharding.world, config.hidden_size)
+        elif name == "model.embed_tokens.weight":
+            shape = full[name][2]
+        places[name] = TensorPlace(target, row, shape, shard_index(full[name][2], shape, sharding.rank))
+    return places

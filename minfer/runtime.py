@@ -77,17 +77,20 @@ class MemoryEstimate:
 
 
 def estimate_memory(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, batch_size: int = 1,
-                    weight_bytes: int | None = None) -> MemoryEstimate:
-    """Bytes a model needs to generate with a `max_seq_len` cache: its weights (`weight_bytes`, by
-    default the dense model's), the cache, and the largest activation, a full-context prefill: its
-    hidden states and MLP intermediates, plus the last position's logits (prefill computes no
-    others) in the model dtype and in fp32 for sampling."""
+                    weight_bytes: int | None = None, ranks: int = 1) -> MemoryEstimate:
+    """Bytes a model needs (on each of `ranks` tensor-parallel GPUs) to generate with a `max_seq_len`
+    cache: its weights (`weight_bytes`, by default the dense model's; split over the ranks but for the
+    replicated embedding), the cache (split by KV heads), and the largest activation, a full-context
+    prefill: its hidden states and MLP intermediates, plus the last position's logits (prefill computes
+    no others) in the model dtype and in fp32 for sampling."""
     per_token = (4 * config.hidden_size + 3 * config.intermediate_size) * dtype.itemsize
     logits = batch_size * config.vocab_size * (dtype.itemsize + 4)
+    weights = config.weight_bytes(dtype) if weight_bytes is None else weight_bytes
+    embedding = 0 if ranks == 1 else config.vocab_size * config.hidden_size * dtype.itemsize
     return MemoryEstimate(
-        weights=config.weight_bytes(dtype) if weight_bytes is None else weight_bytes,
+        weights=(weights - embedding) // ranks + embedding,
         kv_cache=kv_cache_bytes(config.num_layers, batch_size, config.num_kv_heads, max_seq_len, config.head_dim,
-                                dtype),
+                                dtype) // ranks,
         activations=batch_size * max_seq_len * per_token + logits,
     )
 
@@ -107,31 +110,35 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_memory(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_seq_len: int,
-                 weight_bytes: int | None = None) -> MemoryEstimate:
+                 weight_bytes: int | None = None, ranks: int = 1) -> MemoryEstimate:
     """Raise DeviceError, before allocating anything, if the model cannot fit on `device`
-    (`weight_bytes`: what its weights take when they are not the dense model's, e.g. compressed)."""
-    need = estimate_memory(config, dtype, max_seq_len, weight_bytes=weight_bytes)
+    (`weight_bytes`: what its weights take when they are not the dense model's, e.g. compressed; `ranks`:
+    the tensor-parallel ranks sharing it, each on a device like this one)."""
+    need = estimate_memory(config, dtype, max_seq_len, weight_bytes=weight_bytes, ranks=ranks)
     free = available_bytes(device)
     if free is not None and need.total > free:
         where = "GPU memory is free" if device.type == "cuda" else "RAM is available"
         dtype_name = str(dtype).removeprefix("torch.")
-        fitting = _longest_fitting_context(config, dtype, max_seq_len, weight_bytes, free)
+        fitting = _longest_fitting_context(config, dtype, max_seq_len, weight_bytes, free, ranks)
         shorter = f" or --max-seq-len {fitting} (the most that fits)" if fitting >= 2 else ""
+        each = f" on each of {ranks} GPUs" if ranks > 1 else ""
+        more_gpus = ", more GPUs (--tp N)" if device.type == "cuda" else ""
         raise DeviceError(
-            f"this model needs about {need.total / 1e9:.1f} GB ({need.weights / 1e9:.1f} GB of {dtype_name} weights, "
-            f"{need.kv_cache / 1e9:.1f} GB of KV cache for {max_seq_len} positions) but only {free / 1e9:.1f} GB of "
-            f"{where} on {device}; try a smaller model, a 16-bit --dtype{shorter}"
+            f"this model needs about {need.total / 1e9:.1f} GB{each} ({need.weights / 1e9:.1f} GB of {dtype_name} "
+            f"weights, {need.kv_cache / 1e9:.1f} GB of KV cache for {max_seq_len} positions) but only "
+            f"{free / 1e9:.1f} GB of {where} on {device}; try a smaller model, a 16-bit --dtype{more_gpus}"
+            f"{shorter}"
         )
     return need
 
 
 def _longest_fitting_context(config: ModelConfig, dtype: torch.dtype, max_seq_len: int, weight_bytes: int | None,
-                             free: int) -> int:
+                             free: int, ranks: int) -> int:
     """The most cache positions (below max_seq_len) whose estimate fits in `free` bytes; the estimate grows
     linearly with positions, so two points give it."""
-    at_one = estimate_memory(config, dtype, 1, weight_bytes=weight_bytes).total
-    per_position = (estimate_memory(config, dtype, max_seq_len, weight_bytes=weight_bytes).total - at_one) / max(
-        max_seq_len - 1, 1)
+    at_one = estimate_memory(config, dtype, 1, weight_bytes=weight_bytes, ranks=ranks).total
+    per_position = (estimate_memory(config, dtype, max_seq_len, weight_bytes=weight_bytes, ranks=ranks).total
+                    - at_one) / max(max_seq_len - 1, 1)
     if at_one > free or per_position <= 0:
         return 0
     return min(max_seq_len - 1, 1 + int((free - at_one) // per_position))

@@ -99,6 +99,7 @@ def test_density_and_shape_arguments():
     (["--suite", "kernels", "--new-tokens", "3"], "--new-tokens does not apply to --suite kernels"),
     (["--suite", "macko", "--embedding", "gpu"], "--embedding does not apply to --suite macko"),
     (["--suite", "e2e", "--reps", "5"], "--reps does not apply to --suite e2e"),
+    (["--suite", "kernels", "--tp", "2"], "--tp does not apply to --suite kernels"),
     (["--suite", "e2e", "--model", "no-such-model"], "--model: "),
     (["--suite", "macko-e2e", "--prompt-tokens", "4000", "--new-tokens", "200"], "exceeds the 4096 positions"),
     (["--suite", "kernels", "--json", "/proc/no/such.json"], "--json /proc/no/such.json"),

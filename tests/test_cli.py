@@ -241,7 +241,7 @@ def test_profile_app_decode_model_takes_the_sparse_format(sparse, monkeypatch):
     from minfer.formats import DenseWeight
     from minfer.formats.macko import MackoWeight
 
-    monkeypatch.setattr(e2e_suite, "build_model", lambda name, dtype: tiny_random_model(dtype))
+    monkeypatch.setattr(e2e_suite, "build_model", lambda name, dtype, **_: tiny_random_model(dtype))
     app = load_app(PROFILE_APP)
     model, label = app.decode_model(app.build_parser().parse_args(["--op", "decode", "--sparse", sparse,
                                                                     "--density", "0.4"]))

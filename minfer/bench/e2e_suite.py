@@ -5,6 +5,10 @@ block-sparse layout, minfer with that layout's attention against minfer with den
 Each backend gets a fresh Generator and one full warm-up generation (graph capture, library init);
 the next TIMED_RUNS generations are timed and their medians reported (a single 512-token prefill
 measured 13-36 ms on one H100 from run to run). EOS is disabled so every run decodes all its tokens.
+
+Under tensor parallelism (a `sharding` of several ranks, apps/benchmark.py --tp N) every rank runs the
+same generations on its slice; memory and bandwidth are per GPU, and the minfer decode row gives the
+share of the step that the collectives alone take (`collective_ms`).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import torch
 from .. import ops
 from ..checkpoint import load_model, resolve
 from ..generate import Generator
+from ..model import Transformer
+from ..parallel import SINGLE, Sharding
 from ..sampling import SamplingParams
 from .report import Column
+from .timing import elapsed_ms
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -40,17 +47,48 @@ COLUMNS = [
     Column("gb_s", "weights GB/s", "{:.0f}"),
     Column("pct_copy", "% copy BW", "{:.1f}"),
     Column("speedup", "vs base", "{:.2f}x"),
+    Column("tp", "TP", "{}"),
+    Column("peak_mem_gb", "peak GB/GPU", "{:.1f}"),
+    Column("collective_pct", "% step in collectives", "{:.1f}"),
 ]
 
 
-def build_model(name: str, dtype: torch.dtype, seed: int = 0, max_seq_len: int = 0):
+def build_model(name: str, dtype: torch.dtype, seed: int = 0, sharding: Sharding = SINGLE, max_seq_len: int = 0):
     """A random-weight model of a known architecture on the GPU (no download), with RoPE tables for
-    `max_seq_len` positions when that is beyond the architecture's limit."""
+    `max_seq_len` positions when that is beyond the architecture's limit; this rank's part of it under
+    tensor parallelism, built on its GPU directly."""
     resolved = resolve(name, "random")
+    sharding.check(resolved.config)
     if max_seq_len > resolved.config.max_position_embeddings:
         resolved = dataclasses.replace(resolved, config=dataclasses.replace(resolved.config,
                                                                             max_position_embeddings=max_seq_len))
-    return load_model(resolved, dtype, "cuda", seed=seed)
+    return load_model(resolved, dtype, "cuda", seed=seed, sharding=sharding)
+
+
+def collective_ms(model: Transformer, replays: int = 20) -> float:
+    """GPU milliseconds of one decode step's collectives alone: two all-reduces of the hidden vector per
+    layer and the logits gather, back to back in a CUDA graph (median of `replays`). Every rank runs the
+    same fixed number of replays (collectives must match across ranks)."""
+    sharding, dtype = model.sharding, model.norm.weight.dtype
+    hidden = torch.zeros(1, 1, model.config.hidden_size, dtype=dtype, device="cuda")
+    logits = torch.zeros(1, 1, model.lm_head.fmt.out_features, dtype=dtype, device="cuda")
+
+    def step() -> None:
+        for _ in range(2 * model.config.num_layers):
+            sharding.all_reduce_(hidden)
+        sharding.gather_last_dim(logits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    return statistics.median(elapsed_ms(graph.replay) for _ in range(replays))
 
 
 def memory_held() -> int:
@@ -87,12 +125,12 @@ def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int,
 
 def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int = 256,
         dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0,
-        embedding: str = "host", layout: str | None = None,
+        embedding: str = "host", layout: str | None = None, sharding: Sharding = SINGLE,
         on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Rows per (backend, phase); 'speedup' is against torch's rows, or with a `layout` (minfer with dense
     attention, then minfer with the layout) against dense attention's."""
     held_before = memory_held()
-    model = build_model(model_name, dtype, seed, prompt_tokens + new_tokens)
+    model = build_model(model_name, dtype, seed, sharding, prompt_tokens + new_tokens)
     prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
     variants = [("minfer", "minfer", None), ("torch", "torch", None)]  # (ops backend, row label, layout)
@@ -103,14 +141,16 @@ def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int
     for backend, label, variant_layout in variants:
         stats = measure_backend(model, backend, prompt_ids, new_tokens, embedding, held_before, variant_layout)
         common = {"model": model_name, "backend": label, "dtype": str(dtype).removeprefix("torch."),
-                  "embedding": model.embedding_place(),
+                  "embedding": model.embedding_place(), "tp": sharding.world,
                   "peak_mem_gb": stats["peak_mem_gb"]}
         rows.append({**common, "phase": "prefill", "tokens": prompt_tokens, "ms": stats["prefill_ms"],
                      "tok_s": prompt_tokens / stats["prefill_ms"] * 1e3, "gb_s": None, "pct_copy": None})
         decode_gbs = stats["weight_gb_s"]
-        rows.append({**common, "phase": "decode", "tokens": stats["new_tokens"], "ms": 1e3 / stats["decode_tok_s"],
+        step_ms = 1e3 / stats["decode_tok_s"]
+        rows.append({**common, "phase": "decode", "tokens": stats["new_tokens"], "ms": step_ms,
                      "tok_s": stats["decode_tok_s"], "gb_s": decode_gbs,
-                     "pct_copy": 100 * decode_gbs / copy_gbs if copy_gbs else None})
+                     "pct_copy": 100 * decode_gbs / copy_gbs if copy_gbs else None,
+                     "collective_pct": 100 * collective_ms(model) / step_ms if sharding.active else None})
         on_row(rows[-2])
         on_row(rows[-1])
     del model

@@ -29,6 +29,7 @@ from ..errors import MinferError
 from ..formats import convert
 from ..formats.macko import release_scratch
 from ..model import EMBEDDING_PLACES
+from ..parallel import SINGLE, Sharding
 from ..sparsity import prune_model_
 from . import e2e_suite, report
 from .arg_types import density_list, matrix_shape_list, positive_int
@@ -66,10 +67,11 @@ COLUMNS = {
         ("shape", "shape"), ("density", "d", "{:g}"), ("minfer_ms", "ms", "{:.4f}"), ("gbs", "GB/s", "{:.0f}"),
         ("pct_copy", "% copy", "{:.1f}")]],
     "e2e": [report.Column(*c) for c in [
-        ("model", "model"), ("format", "weights"), ("embedding", "embedding"), ("weight_gb", "weights GB", "{:.2f}"),
+        ("model", "model"), ("tp", "TP"), ("format", "weights"), ("embedding", "embedding"),
+        ("weight_gb", "weights GB", "{:.2f}"),
         ("decode_tok_s", "decode tok/s", "{:.1f}"), ("vs_dense", "vs dense", "{:.2f}x"),
         ("weight_gb_s", "weights GB/s", "{:.0f}"), ("pct_copy", "% copy", "{:.1f}"),
-        ("prefill_ms", "prefill ms", "{:.1f}"), ("peak_mem_gb", "peak GB", "{:.2f}")]],
+        ("prefill_ms", "prefill ms", "{:.1f}"), ("peak_mem_gb", "peak GB/GPU", "{:.2f}")]],
 }
 
 
@@ -220,18 +222,19 @@ def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, densities=DENSITIES, dtype=t
 
 
 def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dtype: torch.dtype, copy_gbs: float,
-             on_row: Callable[[str, dict], None], embedding: str = "host") -> list[dict]:
+             on_row: Callable[[str, dict], None], embedding: str = "host", sharding: Sharding = SINGLE) -> list[dict]:
     """Decode speed and memory of a random-weight model, dense and pruned by magnitude to each density
     then stored as MACKO, on minfer's kernels (batch 1, the same prompt, EOS off; the token embedding
     on `embedding`, see Transformer.place_embedding). Peak memory counts from before the model is
-    built, so what earlier suites of the same process still hold does not inflate it."""
+    built, so what earlier suites of the same process still hold does not inflate it. Under tensor
+    parallelism each rank prunes and compresses its own slices; memory and bandwidth are per GPU."""
     rows = []
     for density in densities:
         release_scratch()  # the previous model and its prefill buffer belong to their own peak
         gc.collect()
         torch.cuda.empty_cache()
         held_before = e2e_suite.memory_held()
-        model = e2e_suite.build_model(model_name, dtype)
+        model = e2e_suite.build_model(model_name, dtype, sharding=sharding)
         if density < 1.0:
             prune_model_(model, density, "magnitude")
             convert(model, "macko", progress=True)
@@ -242,7 +245,8 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
         stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
         placed = model.embedding_place()  # a tied embedding stays on the GPU whatever was asked
         del model  # freed with the scratch at the next density's start
-        row = {"model": model_name, "density": density, "format": "dense" if density == 1.0 else f"macko d={density}",
+        row = {"model": model_name, "tp": sharding.world, "density": density,
+               "format": "dense" if density == 1.0 else f"macko d={density}",
                "embedding": placed, "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs}
         rows.append(row)
         on_row("e2e", {**row, "shape": model_name, "minfer_ms": 1e3 / stats["decode_tok_s"]})

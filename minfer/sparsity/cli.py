@@ -14,6 +14,7 @@ from ..checkpoint import load_model as load_checkpoint
 from ..errors import MinferError
 from ..formats import FORMATS, DenseWeight, WeightFormat, convert, format_class
 from ..model import Transformer
+from ..parallel import SINGLE, Sharding
 from .compressed import check_save_target, is_compressed, save_compressed
 from .compressed import stored_weight_bytes as file_weight_bytes
 from .conversion import CONVERSIONS, conversion_for
@@ -198,14 +199,24 @@ def stored_weight_bytes(args: argparse.Namespace, resolved, dtype: torch.dtype) 
 
 
 def load_model(resolved, dtype: torch.dtype, device: torch.device, args: argparse.Namespace,
-               seed: int = 0) -> nn.Module:
+               seed: int = 0, sharding: Sharding = SINGLE) -> nn.Module:
     """The model `resolved` names (compressed folders included), or one filled from --<format>-reference,
-    with progress bars."""
+    with progress bars; with a tensor-parallel `sharding`, this rank's part of it."""
     reference = reference_source(args)
     if reference is not None and reference.file:
         return load_reference(Transformer(resolved.config), reference.fmt, Path(reference.file), dtype, device,
                               progress=True)
-    return load_checkpoint(resolved, dtype, device, seed=seed, progress=True)
+    return load_checkpoint(resolved, dtype, device, seed=seed, progress=True, sharding=sharding)
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """Refuse the flags a tensor-parallel run does not take: each rank compresses only its own slices."""
+    reference = reference_source(args)
+    for flag, given in ((reference.flag if reference else "", reference is not None and reference.file),
+                        ("--save-compressed", args.save_compressed), ("--prune wanda", args.prune == "wanda")):
+        if given:
+            raise MinferError(f"{flag} runs on one GPU; drop it or --tp (tensor-parallel ranks prune by magnitude "
+                              "and compress their own slices)")
 
 
 def apply(model: nn.Module, args: argparse.Namespace, calibration_ids: torch.Tensor | None,

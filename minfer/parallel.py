@@ -1,0 +1,263 @@
+"""Tensor parallelism over the GPUs of one host, Megatron style (the plan of gpt-fast's tp.py).
+
+Each of N ranks holds a slice of every projection: qkv_proj and gate_up_proj by rows (column-parallel:
+whole KV groups of heads, whole halves of gate and up), o_proj and down_proj by columns (row-parallel:
+each rank's partial product is summed by one all-reduce per sublayer), and lm_head by rows (vocabulary
+slices, gathered into the full logits). Embeddings and norms are replicated, and so is the residual
+stream: after every all-reduce each rank holds the same hidden state, and after the gather the same
+logits, so every rank samples the same token with the same seed (no broadcast).
+
+The residual add rides in the all-reduce: rank 0 adds its partial product into the residual stream
+(the fused GEMV epilogue), the other ranks write theirs into a zeroed copy, and the sum over ranks is
+residual + o_proj(x). `Sharding` carries the rank, the group and these steps; the default one (one
+rank) makes every step a no-op, so the single-GPU model is the same code.
+
+Process groups come from the torch.distributed environment (torchrun's, or `launch`'s): NCCL on CUDA,
+gloo on the CPU, with NVLink multicast kept off (`RANK_ENV`). A decode step's all-reduces (one hidden
+vector each) are latency-bound; with MINFER_TP_ALLREDUCE=symm-mem they run torch's symmetric-memory
+one-shot all-reduce instead of NCCL's (each rank reads its peers' buffers over NVLink; no multicast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+from .errors import MinferError
+
+# Every rank's environment: NVLink SHARP (multicast) off in NCCL and in torch's symmetric memory.
+RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# How long a rank waits in a collective for the others (a rank that died ends the rest by then).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+ALLREDUCE_CHOICES = ("nccl", "symm-mem")  # $MINFER_TP_ALLREDUCE
+SYMM_MEM_MAX_ELEMENTS = 16384  # all-reduces up to this size (a decode step's hidden vectors) take symmetric memory
+
+
+class SymmetricAllReduce:
+    """torch's one-shot all-reduce (symm_mem.one_shot_all_reduce_out: each rank sums its peers' buffers,
+    read over NVLink) through a float32 symmetric-memory buffer, made at the first call, which every rank
+    reaches eagerly before any graph capture. torch's kernel takes float32 and bfloat16 only, so the
+    tensor is staged in float32 (the sum is then exact to float32 for fp16 models too)."""
+
+    def __init__(self, group_name: str):
+        self.group_name = group_name
+        self.staged: torch.Tensor | None = None  # the symmetric buffer
+        self.summed: torch.Tensor | None = None
+
+    @staticmethod
+    def takes(tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and tensor.is_contiguous() and tensor.numel() <= SYMM_MEM_MAX_ELEMENTS
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if self.staged is None:
+            self.staged = symm_mem.empty(SYMM_MEM_MAX_ELEMENTS, dtype=torch.float32, device=tensor.device)
+            symm_mem.rendezvous(self.staged, self.group_name)
+            self.summed = torch.empty_like(self.staged)
+        flat = tensor.view(-1)
+        staged, summed = self.staged[:flat.numel()], self.summed[:flat.numel()]
+        staged.copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, summed)
+        flat.copy_(summed)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """This process's place among `world` ranks, and the collectives a sharded model runs."""
+
+    rank: int = 0
+    world: int = 1
+    symmetric: SymmetricAllReduce | None = field(default=None, compare=False)  # small all-reduces, else NCCL
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def check(self, config: ModelConfig) -> None:
+        """Refuse a model this many ranks cannot split evenly (GQA: each rank holds whole KV groups)."""
+        for what, size in (("key/value heads", config.num_kv_heads), ("MLP width", config.intermediate_size),
+                           ("vocabulary", config.vocab_size)):
+            if size % self.world:
+                raise MinferError(f"tensor parallelism over {self.world} ranks needs the model's {what} ({size}) to "
+                                  f"be a multiple of {self.world}; use a divisor of {config.num_kv_heads} ranks")
+
+    def layer_config(self, config: ModelConfig) -> ModelConfig:
+        """The config one rank's layers are built from: its heads, KV heads and MLP width."""
+        if not self.active:
+            return config
+        self.check(config)
+        return dataclasses.replace(config, num_heads=config.num_heads // self.world,
+                                   num_kv_heads=config.num_kv_heads // self.world,
+                                   intermediate_size=config.intermediate_size // self.world)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place (graph-capturable on NCCL)."""
+        if self.symmetric is not None and self.symmetric.takes(tensor):
+            self.symmetric(tensor)
+        elif self.active:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def zero_partial_(self, residual: torch.Tensor) -> torch.Tensor:
+        """Before a row-parallel projection adds into `residual`: only rank 0 keeps the residual itself,
+        so that the all-reduce after it yields residual + the sum of the partial products."""
+        if self.rank:
+            residual.zero_()
+        return residual
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Each rank's [..., n] slice -> the [..., world * n] tensor of all of them in rank order."""
+        if not self.active:
+            return tensor
+        shape = tensor.shape
+        flat = tensor.reshape(-1, shape[-1])
+        parts = flat.new_empty(self.world * flat.shape[0], shape[-1])  # rank r's rows at r * rows (gloo's layout)
+        dist.all_gather_into_tensor(parts, flat.contiguous())
+        return parts.view(self.world, *shape).movedim(0, -2).reshape(*shape[:-1], self.world * shape[-1])
+
+
+SINGLE = Sharding()
+
+
+def shard_index(full: tuple[int, ...], local: tuple[int, ...], rank: int) -> tuple[slice, ...]:
+    """This rank's slice of a tensor of shape `full` that ranks split evenly into `local`-shaped parts
+    (along the one dimension where the shapes differ; whole when they are equal)."""
+    return tuple(slice(None) if f == n else slice(rank * n, (rank + 1) * n) for f, n in zip(full, local))
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups
+# ----------------------------------------------------------------------------------------------
+
+
+def launched_world() -> int:
+    """The number of ranks a launcher (torchrun, or `launch`) started this process among; 1 otherwise."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init(device_type: str) -> tuple[Sharding, torch.device]:
+    """Join the process group the launcher's environment describes (NCCL for CUDA, gloo for the CPU)
+    and return this rank's Sharding and device (cuda:LOCAL_RANK), with the all-reduce $MINFER_TP_ALLREDUCE
+    names (nccl by default)."""
+    world = launched_world()
+    if world == 1:
+        raise MinferError("init: this process was not started by a tensor-parallel launcher (WORLD_SIZE is unset)")
+    allreduce = os.environ.get("MINFER_TP_ALLREDUCE", "nccl")
+    if allreduce not in ALLREDUCE_CHOICES:
+        raise MinferError(f"MINFER_TP_ALLREDUCE={allreduce} is not one of {', '.join(ALLREDUCE_CHOICES)}")
+    if allreduce == "symm-mem" and device_type != "cuda":
+        raise MinferError("MINFER_TP_ALLREDUCE=symm-mem needs CUDA GPUs; unset it for a CPU run")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    for key, value in RANK_ENV.items():
+        os.environ.setdefault(key, value)
+    if device_type == "cuda":
+        if torch.cuda.device_count() < world:
+            raise MinferError(f"tensor parallelism over {world} ranks needs {world} GPUs; "
+                              f"{torch.cuda.device_count()} are visible")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=COLLECTIVE_TIMEOUT, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    symmetric = SymmetricAllReduce(dist.group.WORLD.group_name) if allreduce == "symm-mem" else None
+    return Sharding(rank, world, symmetric), device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Launching the ranks of one command
+# ----------------------------------------------------------------------------------------------
+
+
+class _ErrorLinesOnly(io.TextIOBase):
+    """A rank > 0's stderr: the notes and progress bars rank 0 prints too are dropped; an `error:` line
+    passes, marked with the rank."""
+
+    def __init__(self, rank: int, stream):
+        self.rank, self.stream, self.pending = rank, stream, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if line.startswith("error:"):
+                self.stream.write(f"error: rank {self.rank}:{line.removeprefix('error:')}\n")
+                self.stream.flush()
+        return len(text)
+
+
+def quiet_other_ranks(sharding: Sharding) -> None:
+    """Rank 0 alone prints and streams; the others keep only their error lines."""
+    if sharding.rank:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = _ErrorLinesOnly(sharding.rank, sys.stderr)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(command: list[str], world: int, poll_s: float = 0.1, grace_s: float = 2.0) -> int:
+    """Run `command` as `world` ranks on this host (the environment torchrun would give them, with
+    RANK_ENV) and return its exit status. The first rank to fail ends the others, after `grace_s` for
+    rank 0 to report the same error itself: one error line (rank 0's, else the failed rank's), never a hang."""
+    port = _free_port()
+    ranks, logs = [], []
+    # A launcher ended by SIGTERM (`timeout`, a job scheduler) still ends its ranks, in the finally below.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    failed = None
+    try:
+        for rank in range(world):
+            env = os.environ | RANK_ENV | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                           "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                           "LOCAL_WORLD_SIZE": str(world)}
+            logs.append(tempfile.TemporaryFile("w+") if rank else None)  # a file, not a pipe: it never fills up
+            ranks.append(subprocess.Popen(command, env=env, stderr=logs[-1]))
+        while failed is None and any(p.poll() is None for p in ranks):
+            failed = next((r for r, p in enumerate(ranks) if p.poll() not in (None, 0)), None)
+            time.sleep(poll_s)
+        failed = next((r for r, p in enumerate(ranks) if p.poll() not in (None, 0)), None)
+        if failed:
+            try:
+                ranks[0].wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+        for p in ranks:
+            p.wait()
+        signal.signal(signal.SIGTERM, previous)
+    if failed is None:
+        return 0
+    code = ranks[failed].returncode
+    if failed and ranks[0].returncode <= 0:  # rank 0 finished or was ended here: it printed no error
+        logs[failed].seek(0)
+        errors = [line for line in logs[failed].read().splitlines() if line.startswith("error:")]
+        print(errors[-1] if errors else f"error: rank {failed} of {world} ended with exit status {code}",
+              file=sys.stderr, flush=True)
+    return ranks[0].returncode if ranks[0].returncode > 0 else (code if code > 0 else 1)
