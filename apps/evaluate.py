@@ -34,7 +34,7 @@ from minfer.sparsity.report import report_summary  # noqa: E402
 from minfer.tokenizer import Tokenizer, read_text_file  # noqa: E402
 
 
-def build_parser() -> Parser:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="apps/evaluate.py", description=__doc__)
     add_model_arguments(parser)
     sparsity_cli.add_arguments(parser)

@@ -29,7 +29,7 @@ from .model import Transformer, hf_tensor_map
 from .parallel import SINGLE, Sharding
 from .safetensors_io import open_safetensors
 from .sparsity.compressed import holds_random_weights, is_compressed, load_compressed
-from .tokenizer import BUNDLED_TOKENIZER, bundled_tokenizer_path
+from .tokenizer import bundled_tokenizer_path
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

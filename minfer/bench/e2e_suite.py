@@ -17,21 +17,19 @@ import dataclasses
 import gc
 import statistics
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from .. import ops
 from ..checkpoint import load_model, resolve
+from ..formats.macko import release_scratch
 from ..generate import Generator
 from ..model import Transformer
 from ..parallel import SINGLE, Sharding
 from ..sampling import SamplingParams
 from .report import Column
 from .timing import elapsed_ms
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
 TIMED_RUNS = 3
 MEDIAN_STATS = ("prefill_ms", "ttft_ms", "decode_tok_s", "weight_gb_s")
@@ -123,6 +121,30 @@ def measure_backend(model, backend: str, prompt_ids: list[int], new_tokens: int,
     return stats
 
 
+def random_prompt(vocab_size: int, tokens: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def measure_format(model_name: str, dtype: torch.dtype, prepare: Callable[[Transformer], None], prompt_tokens: int,
+                   new_tokens: int, embedding: str = "host", sharding: Sharding = SINGLE) -> dict:
+    """Batch-1 generation stats on minfer's kernels of a fresh random-weight model after `prepare(model)`
+    (prune, convert), with the weight GB a decode step reads and where the embedding ended up. Peak memory
+    counts from before the model is built, so what earlier models of the same process left is not in it."""
+    release_scratch()  # the previous model's prefill buffer belongs to its own peak
+    gc.collect()
+    torch.cuda.empty_cache()
+    held_before = memory_held()
+    model = build_model(model_name, dtype, sharding=sharding)
+    prepare(model)
+    torch.cuda.empty_cache()
+    weight_gb = model.decode_weight_bytes() / 1e9
+    stats = measure_backend(model, "minfer", random_prompt(model.config.vocab_size, prompt_tokens), new_tokens,
+                            embedding, held_before)
+    placed = model.embedding_place()  # a tied embedding stays on the GPU whatever was asked
+    del model
+    return {"weight_gb": weight_gb, "embedding": placed, **stats}
+
+
 def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int = 256,
         dtype: torch.dtype = torch.float16, copy_gbs: float | None = None, seed: int = 0,
         embedding: str = "host", layout: str | None = None, sharding: Sharding = SINGLE,
@@ -131,8 +153,7 @@ def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int
     attention, then minfer with the layout) against dense attention's."""
     held_before = memory_held()
     model = build_model(model_name, dtype, seed, sharding, prompt_tokens + new_tokens)
-    prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
-                               generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt_ids = random_prompt(model.config.vocab_size, prompt_tokens, seed)
     variants = [("minfer", "minfer", None), ("torch", "torch", None)]  # (ops backend, row label, layout)
     if layout is not None:
         variants = [("minfer", "minfer dense attention", None), ("minfer", f"minfer {layout}", layout)]

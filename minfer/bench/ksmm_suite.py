@@ -161,21 +161,16 @@ def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None]) -> tuple[
 def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.dtype,
              on_row: Callable[[dict], None], embedding: str = "host") -> list[dict]:
     """Dense, then KS_PRESET chains on every projection (random factors), on minfer's kernels at batch 1."""
+    def prepare(projections: str) -> Callable:
+        def factorize(model) -> None:
+            if projections != "dense":
+                random_chains(model, projections)
+        return factorize
+
     rows = []
     for projections in ("dense", KS_PRESET):
-        gc.collect()
-        torch.cuda.empty_cache()
-        held_before = e2e_suite.memory_held()
-        model = e2e_suite.build_model(model_name, dtype)
-        if projections != "dense":
-            random_chains(model, projections)
-            torch.cuda.empty_cache()
-        prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
-                                   generator=torch.Generator().manual_seed(0)).tolist()
-        weight_gb = model.decode_weight_bytes() / 1e9
-        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
-        del model
-        rows.append({"model": model_name, "format": projections, "weight_gb": weight_gb, **stats})
+        stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens, embedding)
+        rows.append({"model": model_name, "format": projections, **stats})
         on_row(rows[-1])
     dense = rows[0]
     for row in rows:

@@ -14,7 +14,6 @@ own bytes (MACKO: values 2P + deltas P/2 + row_ptr; plus x and y) against the co
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,6 @@ from .. import ops
 from ..cli import ArgumentParser
 from ..errors import MinferError
 from ..formats import convert
-from ..formats.macko import release_scratch
 from ..model import EMBEDDING_PLACES
 from ..parallel import SINGLE, Sharding
 from ..sparsity import prune_model_
@@ -228,26 +226,20 @@ def e2e_rows(model_name: str, densities, prompt_tokens: int, new_tokens: int, dt
     on `embedding`, see Transformer.place_embedding). Peak memory counts from before the model is
     built, so what earlier suites of the same process still hold does not inflate it. Under tensor
     parallelism each rank prunes and compresses its own slices; memory and bandwidth are per GPU."""
+    def prepare(density: float) -> Callable:
+        def prune_and_convert(model) -> None:
+            if density < 1.0:
+                prune_model_(model, density, "magnitude")
+                convert(model, "macko", progress=True)
+        return prune_and_convert
+
     rows = []
     for density in densities:
-        release_scratch()  # the previous model and its prefill buffer belong to their own peak
-        gc.collect()
-        torch.cuda.empty_cache()
-        held_before = e2e_suite.memory_held()
-        model = e2e_suite.build_model(model_name, dtype, sharding=sharding)
-        if density < 1.0:
-            prune_model_(model, density, "magnitude")
-            convert(model, "macko", progress=True)
-            torch.cuda.empty_cache()
-        prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
-                                   generator=torch.Generator().manual_seed(0)).tolist()
-        weight_gb = model.decode_weight_bytes() / 1e9
-        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
-        placed = model.embedding_place()  # a tied embedding stays on the GPU whatever was asked
-        del model  # freed with the scratch at the next density's start
+        stats = e2e_suite.measure_format(model_name, dtype, prepare(density), prompt_tokens, new_tokens, embedding,
+                                         sharding)
         row = {"model": model_name, "tp": sharding.world, "density": density,
                "format": "dense" if density == 1.0 else f"macko d={density}",
-               "embedding": placed, "weight_gb": weight_gb, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs}
+               **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs}
         rows.append(row)
         on_row("e2e", {**row, "shape": model_name, "minfer_ms": 1e3 / stats["decode_tok_s"]})
     dense_tok_s = next((row["decode_tok_s"] for row in rows if row["density"] == 1.0), None)

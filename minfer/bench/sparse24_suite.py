@@ -16,7 +16,6 @@ back to back between two events.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from typing import Callable
 
@@ -148,27 +147,20 @@ def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.
              on_row: Callable[[str, dict], None], embedding: str = "host") -> list[dict]:
     """Batch-1 decode and prefill of a random-weight model, dense, pruned by magnitude to d = 0.5 as MACKO,
     and pruned by magnitude to 2:4 as 2:4, in one process (the same prompt, EOS off)."""
+    def prepare(fmt: str) -> Callable:
+        def prune_and_convert(model) -> None:
+            if fmt == "macko d=0.5":
+                prune_model_(model, 0.5, "magnitude", progress=False)
+                convert(model, "macko")
+            elif fmt == "2:4":
+                prune_model_(model, None, "magnitude", progress=False, structure=FORMATS["2:4"].structure)
+                convert(model, "2:4")
+        return prune_and_convert
+
     rows = []
     for fmt in E2E_FORMATS:
-        release_scratch()
-        gc.collect()
-        torch.cuda.empty_cache()
-        held_before = e2e_suite.memory_held()
-        model = e2e_suite.build_model(model_name, dtype)
-        if fmt == "macko d=0.5":
-            prune_model_(model, 0.5, "magnitude", progress=False)
-            convert(model, "macko")
-        elif fmt == "2:4":
-            prune_model_(model, None, "magnitude", progress=False, structure=FORMATS["2:4"].structure)
-            convert(model, "2:4")
-        torch.cuda.empty_cache()
-        prompt_ids = torch.randint(0, model.config.vocab_size, (prompt_tokens,),
-                                   generator=torch.Generator().manual_seed(0)).tolist()
-        weight_gb = model.decode_weight_bytes() / 1e9
-        stats = e2e_suite.measure_backend(model, "minfer", prompt_ids, new_tokens, embedding, held_before)
-        del model
-        row = {"model": model_name, "format": fmt, "weight_gb": weight_gb, **stats,
-               "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs}
+        stats = e2e_suite.measure_format(model_name, dtype, prepare(fmt), prompt_tokens, new_tokens, embedding)
+        row = {"model": model_name, "format": fmt, **stats, "pct_copy": 100 * stats["weight_gb_s"] / copy_gbs}
         rows.append(row)
         on_row("e2e", {**row, "shape": model_name, "tokens": new_tokens, "minfer_ms": 1e3 / stats["decode_tok_s"]})
     dense = rows[0]

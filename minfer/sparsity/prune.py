@@ -134,8 +134,6 @@ def _prune_wanda_blocks(model: nn.Module, prune: Pruner, residuals: list[torch.T
                         rope: tuple[torch.Tensor, torch.Tensor], progress: bool) -> None:
     """Block by block: the input statistics of each projection, its pruning, then the block's outputs
     (from its pruned weights) as the next block's inputs."""
-    from ..model import Linear
-
     device = model.norm.weight.device
     for i, layer in enumerate(tqdm(list(model.layers), desc="wanda pruning", unit="block", disable=not progress)):
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, Linear)}
