@@ -46,10 +46,8 @@ import torch  # noqa: E402
 
 from minfer import ops, parallel  # noqa: E402
 from minfer.cli import ArgumentParser, run_main  # noqa: E402
-from minfer.bench import (attention_suite, e2e_suite, kernel_suite, ksmm_suite, macko_suite, report,  # noqa: E402
-                          sparse24_suite)
-from minfer.bench.arg_types import csv_list, density_list, matrix_shape_list, positive_int  # noqa: E402
-from minfer.bench.timing import copy_bandwidth_gbs  # noqa: E402
+from minfer.bench import attention_suite, e2e_suite, kernel_suite, macko_suite, report, suites  # noqa: E402
+from minfer.bench.arg_types import csv_list, density_list, positive_int  # noqa: E402
 from minfer.attention.layouts import LAYOUT_HELP, parse_layout  # noqa: E402
 from minfer.checkpoint import resolve  # noqa: E402
 from minfer.errors import DeviceError, MinferError  # noqa: E402
@@ -57,22 +55,24 @@ from minfer.model import EMBEDDING_PLACES  # noqa: E402
 from minfer.runtime import RANDOM_WEIGHTS_MAX_SEQ_LEN  # noqa: E402
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-# Flags that apply to some suites only default to None (see FLAG_SUITES), then to these.
+# Flags that apply to some suites only default to None (see SUITE_FLAGS), then to these.
 DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens": 256, "embedding": "host"}
-E2E_SUITES = ("e2e", "macko-e2e", "sparse24", "ksmm", "all")
+# The flags some suites take (each suite's Suite.flags says which), in the order they are checked.
+SUITE_FLAGS = ("ops", "shapes", "densities", "plot", "lengths", "phases", "context", "attention", "layout", "reps",
+               "model", "prompt_tokens", "new_tokens", "embedding", "tp")
+
+
+def suite_help() -> str:
+    """--suite's help: what "all" runs, then each suite's own line."""
+    members = [suite.name for suite in suites.chosen("all")]
+    lines = [f"all = {', '.join(members[:-1])} and {members[-1]}"]
+    lines += [f"{suite.name} = {suite.help}" for suite in suites.registered().values() if suite.help]
+    return "; ".join(lines)
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="apps/benchmark.py", description=__doc__)
-    parser.add_argument("--suite", choices=("kernels", "e2e", "macko", "macko-e2e", "sparse24", "attention", "ksmm",
-                                            "all"),
-                        default="all",
-                        help="all = kernels, e2e and macko-e2e; macko = the MACKO kernel study: SpMV against "
-                             "cuBLAS, torch CSR, the dense reference and the reference kernel's schedule, then SpMM "
-                             "and decompression (also `python -m minfer.bench.macko_suite`, with its launch sweep); "
-                             "sparse24 = the 2:4 study: GEMV and prefill against cuBLAS, minfer dense and "
-                             "cuSPARSELt, then decode beside dense and MACKO d=0.5 (also `python -m "
-                             "minfer.bench.sparse24_suite`)")
+    parser.add_argument("--suite", choices=(*suites.registered(), "all"), default="all", help=suite_help())
     parser.add_argument("--ops", type=csv_list, default=None, metavar="A,B",
                         help=f"kernel ops to run (default: all of {', '.join(kernel_suite.registered_ops())})")
     parser.add_argument("--shapes", type=csv_list, default=None, metavar="NxK,...",
@@ -118,17 +118,6 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-# The suites each optional flag applies to; given with any other suite it would be ignored.
-FLAG_SUITES = {"ops": ("kernels", "all"), "shapes": ("kernels", "macko", "all"),
-               "densities": ("macko", "macko-e2e", "all"),
-               "plot": ("kernels", "e2e", "macko-e2e", "attention", "ksmm", "all"),
-               "lengths": ("attention",), "phases": ("attention",), "context": ("e2e",), "attention": ("e2e",),
-               "layout": ("e2e",),
-               "reps": ("kernels", "macko", "sparse24", "ksmm", "all"), "model": E2E_SUITES,
-               "prompt_tokens": E2E_SUITES, "new_tokens": E2E_SUITES, "embedding": E2E_SUITES,
-               "tp": ("e2e", "macko-e2e")}
-
-
 def check_e2e_model(args: argparse.Namespace) -> None:
     """The e2e suites' model, context and attention, checked before any suite runs (they run last)."""
     try:
@@ -167,10 +156,11 @@ def check_output_path(flag: str, path: str) -> str:
 
 def check_suite_flags(args: argparse.Namespace) -> None:
     """Refuse a flag the chosen suite would ignore (before --tp starts any rank)."""
-    for name, suites in FLAG_SUITES.items():
-        if getattr(args, name) is not None and args.suite not in suites:
+    for name in SUITE_FLAGS:
+        applies_to = suites.flag_suites(name)
+        if getattr(args, name) is not None and args.suite not in applies_to:
             raise MinferError(f"--{name.replace('_', '-')} does not apply to --suite {args.suite}; it is for "
-                              f"--suite {', '.join(suites)}")
+                              f"--suite {', '.join(applies_to)}")
     if args.context is not None and args.prompt_tokens is not None:
         raise MinferError("--context sets the prompt length (context - new tokens): drop --prompt-tokens")
 
@@ -184,21 +174,12 @@ def run(args: argparse.Namespace) -> int:
         args.json = check_output_path("--json", args.json)
     if args.plot:
         args.plot = check_output_path("--plot", args.plot)
-    if args.suite in E2E_SUITES:
+    chosen = suites.chosen(args.suite)
+    if any(suite.e2e for suite in chosen):
         check_e2e_model(args)
-    macko_shapes = macko_suite.LLAMA2_7B_SHAPES
-    if args.suite == "macko" and args.shapes:
-        try:
-            macko_shapes = matrix_shape_list(",".join(args.shapes))
-        except argparse.ArgumentTypeError as e:
-            raise MinferError(f"--shapes: {e}") from None
-    lengths = attention_suite.LENGTHS
-    if args.lengths:
-        if not all(n.isdigit() and int(n) >= 1 for n in args.lengths):
-            raise MinferError(f"--lengths: whole numbers >= 1, got {','.join(args.lengths)}")
-        lengths = tuple(int(n) for n in args.lengths)
-    if args.phases and not set(args.phases) <= set(attention_suite.PHASES):
-        raise MinferError(f"--phases: choose among {','.join(attention_suite.PHASES)}, got {','.join(args.phases)}")
+    for suite in chosen:
+        if suite.check is not None:
+            suite.check(args)
     if not torch.cuda.is_available():
         raise DeviceError("the benchmark needs a CUDA GPU and none is visible; run it on a GPU machine")
     sharding = parallel.SINGLE
@@ -210,131 +191,43 @@ def run(args: argparse.Namespace) -> int:
         if sharding.rank:  # rank 0 alone writes the files
             args.json = args.plot = None
     ops.build()
-    dtype = DTYPES[args.dtype]
     env = report.environment()
     report.print_environment(env)
-    kernel_rows: list[dict] = []
-    e2e_rows: list[dict] = []
-    macko_rows: list[dict] = []
-    macko_kernel_rows: dict[str, list[dict]] = {}
-    sparse24_rows: dict[str, list[dict]] = {}
-    attention_rows: list[dict] = []
-    attention_fit: dict = {}
-    ksmm_rows: dict[str, list[dict]] = {}
-    decode_rows: list[dict] = []
+    results = {key: empty() for suite in suites.registered().values() for key, empty in suite.sections.items()}
 
     def write_json() -> None:  # after every suite, so a run cut short keeps what it measured
         if args.json:
-            report.write_json(args.json, env, {"kernels": kernel_rows, "e2e": e2e_rows, "macko_e2e": macko_rows,
-                                               "macko": macko_kernel_rows, "sparse24": sparse24_rows,
-                                               "attention": attention_rows, "attention_fit": attention_fit,
-                                               "attention_decode": decode_rows, "ksmm": ksmm_rows})
+            report.write_json(args.json, env, results)
 
-    if args.suite in ("kernels", "all"):
-        copy_gbs, kernel_rows = kernel_suite.run(
-            args.ops, args.shapes, dtype, args.reps,
-            on_row=lambda row: print(f"  {row['op']} {row['shape']}: {row['minfer_ms']:.4f} ms", flush=True))
-        env["copy_gbs"] = round(copy_gbs, 1)
-        write_json()
-    if args.suite in ("e2e", "all"):
-        env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
-        e2e_rows = e2e_suite.run(args.model, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
-                                 embedding=args.embedding, layout=args.layout, sharding=sharding,
-                                 on_row=lambda row: print(f"  e2e {row['backend']} {row['phase']}: {row['tok_s']:.1f} "
-                                                          "tok/s", flush=True))
-        write_json()
-
-    if args.suite == "macko":
-        densities = args.densities or macko_suite.DENSITIES
-        for note in macko_suite.skipped_sections(macko_suite.STUDY_SECTIONS, densities):
-            print(f"note: {note}")
-        copy_gbs, macko_kernel_rows = macko_suite.run(
-            macko_suite.STUDY_SECTIONS, macko_shapes, densities, dtype, args.reps,
-            on_row=lambda section, row: print(f"  macko {section} {row['shape']} d{row['density']}: "
-                                              f"{row['minfer_ms']:.4f} ms", flush=True))
-        env["copy_gbs"] = round(copy_gbs, 1)
-        write_json()
-    if args.suite == "sparse24":
-        def on_row(section, row):
-            print(f"  sparse24 {section} {row['shape']} T{row['tokens']}: {row['minfer_ms']:.4f} ms", flush=True)
-
-        copy_gbs, sparse24_rows = sparse24_suite.run(("decode", "prefill"), dtype=dtype, replays=args.reps,
-                                                     on_row=on_row)
-        env["copy_gbs"] = round(copy_gbs, 1)
-        write_json()
-        sparse24_rows["e2e"] = sparse24_suite.e2e_rows(args.model, args.prompt_tokens, args.new_tokens, dtype,
-                                                       copy_gbs, on_row, args.embedding)
-        write_json()
-    if args.suite == "attention":
-        ceilings, attention_rows, attention_fit, decode_rows = attention_suite.run(
-            lengths, dtype, phases=tuple(args.phases or attention_suite.PHASES),
-            on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
-                                     + (f"{row['minfer_ms']:.3f} ms" if "minfer_ms" in row else
-                                        f"decode {row['minfer_us']:.1f} us"), flush=True))
-        env.update({key: round(value, 1) for key, value in ceilings.items() if value is not None})
-        write_json()
-    if args.suite == "ksmm":
-        copy_gbs, ksmm_rows["grid"], ksmm_rows["summary"] = ksmm_suite.run(
-            dtype, args.reps, on_row=lambda row: print(f"  ksmm {row['pattern']} B={row['tokens']}: "
-                                                       f"{row['speedup']:.2f}x", flush=True))
-        env["copy_gbs"] = round(copy_gbs, 1)
-        write_json()
-        ksmm_rows["e2e"] = ksmm_suite.e2e_rows(
-            args.model, args.prompt_tokens, args.new_tokens, dtype, embedding=args.embedding,
-            on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s", flush=True))
-        write_json()
-    if args.suite in ("macko-e2e", "all"):
-        env.setdefault("copy_gbs", round(copy_bandwidth_gbs(), 1))
-        densities = args.densities or macko_suite.E2E_DENSITIES
-        if 1.0 not in densities:
-            print("note: no density 1.0 among --densities, so no dense row and no 'vs dense' column")
-        macko_rows = macko_suite.e2e_rows(
-            args.model, densities, args.prompt_tokens, args.new_tokens, dtype, env["copy_gbs"],
-            on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True),
-            embedding=args.embedding, sharding=sharding)
+    bench = suites.SuiteRun(args, DTYPES[args.dtype], env, sharding, results, write_json)
+    for suite in chosen:
+        bench.save(suite.run(bench))
     print(f"device copy bandwidth: {env['copy_gbs']:.0f} GB/s (read + write)")
-    if attention_rows:
-        attention_suite.print_report(env, attention_rows, attention_fit, args.dtype)
-    if decode_rows:
-        attention_suite.print_decode_report(env, decode_rows, args.dtype)
-    if kernel_rows:
-        report.print_table(f"kernels ({env.get('device')}, {args.dtype})", kernel_suite.COLUMNS, kernel_rows)
-    if e2e_rows:
-        versus = f"'vs base': against dense attention, {args.layout}" if args.layout else "'vs base': against torch"
-        report.print_table(f"end to end: {args.model}, random weights, batch 1, {args.prompt_tokens}-token prompt, "
-                           f"{args.new_tokens} new tokens, minfer's embedding on the {args.embedding}; {versus}",
-                           e2e_suite.COLUMNS, e2e_rows)
-    for section, rows in macko_kernel_rows.items():
-        report.print_table(f"MACKO {section} ({env.get('device')}, {args.dtype})", macko_suite.COLUMNS[section], rows)
-    for section, rows in sparse24_rows.items():
-        report.print_table(f"2:4 {section} ({env.get('device')}, {args.dtype})", sparse24_suite.COLUMNS[section], rows)
-    for section, rows in ksmm_rows.items():
-        report.print_table(f"KS factors: {section} ({env.get('device')}, {args.dtype})", ksmm_suite.COLUMNS[section],
-                           rows)
-    if macko_rows:
-        report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1, "
-                           f"embedding on the {args.embedding}", macko_suite.COLUMNS["e2e"], macko_rows)
+    for suite in chosen:
+        suite.report(bench)
     if args.json:
         write_json()
         print(f"wrote {args.json}")
-    if args.plot and (kernel_rows or e2e_rows):
-        report.plot(args.plot, env, kernel_rows, e2e_rows)
-        print(f"wrote {args.plot}")
-    if args.plot and attention_fit:
-        attention_suite.plot_fraction(args.plot, attention_fit, f"block-sparse prefill at {attention_fit['seq_len']}, "
-                                                                f"{env.get('device')}")
-        print(f"wrote {args.plot}")
-    if args.plot and ksmm_rows:
-        ksmm_suite.plot(args.plot, ksmm_rows["grid"], f"KS factors, {env.get('device')}, {args.dtype}")
-        print(f"wrote {args.plot}")
-    if args.plot and macko_rows:
-        path = Path(args.plot)
-        if kernel_rows or e2e_rows:  # that plot took the path itself
-            path = path.with_name(f"{path.stem}-macko-e2e{path.suffix or '.png'}")
-        macko_suite.plot_e2e(str(path), macko_rows, f"{args.model}, random weights pruned by magnitude, batch 1, "
-                                                    f"{env.get('device')}")
-        print(f"wrote {path}")
+    if args.plot:
+        plot_all(bench, chosen)
     return 0
+
+
+def plot_all(bench: suites.SuiteRun, chosen: list[suites.Suite]) -> None:
+    """Each distinct plot of the chosen suites (suites sharing a figure give the same function): the first
+    one drawn takes --plot, a later one goes beside it, suffixed with its suite's name."""
+    tried = set()
+    written = False
+    for suite in chosen:
+        if suite.plot is None or suite.plot in tried:
+            continue
+        tried.add(suite.plot)
+        path = bench.args.plot
+        if written:
+            path = Path(path).with_name(f"{Path(path).stem}-{suite.name}{Path(path).suffix or '.png'}")
+        if suite.plot(bench, str(path)):
+            written = True
+            print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..attention.layouts import KERNEL_TILE, DecodeLayout, build_layout, compact, decode_layout, parse_layout
+from ..errors import MinferError
 from .report import Column
+from .suites import Suite, SuiteRun, register
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 32, 128, 128
@@ -349,3 +351,47 @@ def plot_fraction(path: str, fit: dict, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def chosen_lengths(args) -> tuple[int, ...]:
+    """--lengths as numbers, LENGTHS when not given."""
+    if not args.lengths:
+        return LENGTHS
+    if not all(n.isdigit() and int(n) >= 1 for n in args.lengths):
+        raise MinferError(f"--lengths: whole numbers >= 1, got {','.join(args.lengths)}")
+    return tuple(int(n) for n in args.lengths)
+
+
+def check_step(args) -> None:
+    chosen_lengths(args)
+    if args.phases and not set(args.phases) <= set(PHASES):
+        raise MinferError(f"--phases: choose among {','.join(PHASES)}, got {','.join(args.phases)}")
+
+
+def run_step(bench: SuiteRun) -> dict:
+    ceilings, rows, fit, decoded = run(
+        chosen_lengths(bench.args), bench.dtype, phases=tuple(bench.args.phases or PHASES),
+        on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
+                                 + (f"{row['minfer_ms']:.3f} ms" if "minfer_ms" in row else
+                                    f"decode {row['minfer_us']:.1f} us"), flush=True))
+    bench.env.update({key: round(value, 1) for key, value in ceilings.items() if value is not None})
+    return {"attention": rows, "attention_fit": fit, "attention_decode": decoded}
+
+
+def report_step(bench: SuiteRun) -> None:
+    if bench.results["attention"]:
+        print_report(bench.env, bench.results["attention"], bench.results["attention_fit"], bench.args.dtype)
+    if bench.results["attention_decode"]:
+        print_decode_report(bench.env, bench.results["attention_decode"], bench.args.dtype)
+
+
+def plot_step(bench: SuiteRun, path: str) -> bool:
+    fit = bench.results["attention_fit"]
+    if not fit:
+        return False
+    plot_fraction(path, fit, f"block-sparse prefill at {fit['seq_len']}, {bench.env.get('device')}")
+    return True
+
+
+register(Suite("attention", {"attention": list, "attention_fit": dict, "attention_decode": list}, run_step,
+               report_step, flags=("plot", "lengths", "phases"), check=check_step, plot=plot_step))

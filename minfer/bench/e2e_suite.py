@@ -28,7 +28,9 @@ from ..generate import Generator
 from ..model import Transformer
 from ..parallel import SINGLE, Sharding
 from ..sampling import SamplingParams
+from . import report
 from .report import Column
+from .suites import Suite, SuiteRun, register
 from .timing import elapsed_ms
 
 TIMED_RUNS = 3
@@ -181,3 +183,27 @@ def run(model_name: str = "llama2-7b", prompt_tokens: int = 512, new_tokens: int
     for row in rows:
         row["speedup"] = row["tok_s"] / base_rows[row["phase"]]["tok_s"]
     return rows
+
+
+def run_step(bench: SuiteRun) -> dict:
+    args = bench.args
+    copy_gbs = bench.copy_gbs()
+    return {"e2e": run(args.model, args.prompt_tokens, args.new_tokens, bench.dtype, copy_gbs,
+                       embedding=args.embedding, layout=args.layout, sharding=bench.sharding,
+                       on_row=lambda row: print(f"  e2e {row['backend']} {row['phase']}: {row['tok_s']:.1f} "
+                                                "tok/s", flush=True))}
+
+
+def report_step(bench: SuiteRun) -> None:
+    args = bench.args
+    if bench.results["e2e"]:
+        versus = f"'vs base': against dense attention, {args.layout}" if args.layout else "'vs base': against torch"
+        report.print_table(f"end to end: {args.model}, random weights, batch 1, {args.prompt_tokens}-token prompt, "
+                           f"{args.new_tokens} new tokens, minfer's embedding on the {args.embedding}; {versus}",
+                           COLUMNS, bench.results["e2e"])
+
+
+register(Suite("e2e", {"e2e": list}, run_step, report_step,
+               flags=("plot", "model", "prompt_tokens", "new_tokens", "embedding"),
+               alone_flags=("context", "attention", "layout", "tp"), e2e=True, in_all=True,
+               plot=report.plot_kernels_and_e2e))

@@ -25,7 +25,10 @@ from typing import Callable
 import torch
 
 from ..errors import MinferError
+from . import report
 from .report import Column
+from .suites import Suite, SuiteRun
+from .suites import register as register_suite
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 Runner = Callable[[int], None]
@@ -153,3 +156,21 @@ def run(ops: list[str] | None = None, shapes: list[str] | None = None, dtype: to
         if on_row is not None:
             on_row(row)
     return copy_gbs, rows
+
+
+def run_step(bench: SuiteRun) -> dict:
+    copy_gbs, rows = run(
+        bench.args.ops, bench.args.shapes, bench.dtype, bench.args.reps,
+        on_row=lambda row: print(f"  {row['op']} {row['shape']}: {row['minfer_ms']:.4f} ms", flush=True))
+    bench.env["copy_gbs"] = round(copy_gbs, 1)
+    return {"kernels": rows}
+
+
+def report_step(bench: SuiteRun) -> None:
+    if bench.results["kernels"]:
+        report.print_table(f"kernels ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS,
+                           bench.results["kernels"])
+
+
+register_suite(Suite("kernels", {"kernels": list}, run_step, report_step, flags=("ops", "shapes", "plot", "reps"),
+                     in_all=True, plot=report.plot_kernels_and_e2e))

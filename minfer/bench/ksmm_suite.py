@@ -28,6 +28,7 @@ from .. import ops
 from ..formats.ksmm import Pattern
 from ..sparsity.factorize import monarch_chain, random_chains
 from . import e2e_suite, report
+from .suites import Suite, SuiteRun, register
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 BATCHES = (1, 16, 512, 4096)
@@ -203,3 +204,34 @@ def plot(path: str, rows: list[dict], title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_step(bench: SuiteRun) -> dict:
+    args = bench.args
+    rows: dict[str, list[dict]] = {}
+    copy_gbs, rows["grid"], rows["summary"] = run(
+        bench.dtype, args.reps, on_row=lambda row: print(f"  ksmm {row['pattern']} B={row['tokens']}: "
+                                                         f"{row['speedup']:.2f}x", flush=True))
+    bench.env["copy_gbs"] = round(copy_gbs, 1)
+    bench.save({"ksmm": rows})
+    rows["e2e"] = e2e_rows(
+        args.model, args.prompt_tokens, args.new_tokens, bench.dtype, embedding=args.embedding,
+        on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s", flush=True))
+    return {"ksmm": rows}
+
+
+def report_step(bench: SuiteRun) -> None:
+    for section, rows in bench.results["ksmm"].items():
+        report.print_table(f"KS factors: {section} ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS[section],
+                           rows)
+
+
+def plot_step(bench: SuiteRun, path: str) -> bool:
+    if not bench.results["ksmm"]:
+        return False
+    plot(path, bench.results["ksmm"]["grid"], f"KS factors, {bench.env.get('device')}, {bench.args.dtype}")
+    return True
+
+
+register(Suite("ksmm", {"ksmm": dict}, run_step, report_step,
+               flags=("plot", "reps", "model", "prompt_tokens", "new_tokens", "embedding"), e2e=True, plot=plot_step))

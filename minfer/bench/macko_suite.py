@@ -32,6 +32,7 @@ from ..sparsity import prune_model_
 from . import e2e_suite, report
 from .arg_types import density_list, matrix_shape_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, macko_bytes, pruned_arrays, rotated
+from .suites import Suite, SuiteRun, register
 from .timing import copy_bandwidth_gbs, elapsed_ms, rotation_count, time_graph, warm_up
 
 SECTIONS = ("spmv", "sweep", "spmm", "decompress")  # kernel sections; "e2e" runs the model
@@ -267,6 +268,70 @@ def plot_e2e(path: str, rows: list[dict], title: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def study_shapes(shapes: list[str] | None) -> list[tuple[int, int]]:
+    """--suite macko's --shapes as (N, K) pairs, Llama-2-7B's five when not given."""
+    if not shapes:
+        return LLAMA2_7B_SHAPES
+    try:
+        return matrix_shape_list(",".join(shapes))
+    except argparse.ArgumentTypeError as e:
+        raise MinferError(f"--shapes: {e}") from None
+
+
+def study_step(bench: SuiteRun) -> dict:
+    densities = bench.args.densities or DENSITIES
+    for note in skipped_sections(STUDY_SECTIONS, densities):
+        print(f"note: {note}")
+    copy_gbs, rows = run(
+        STUDY_SECTIONS, study_shapes(bench.args.shapes), densities, bench.dtype, bench.args.reps,
+        on_row=lambda section, row: print(f"  macko {section} {row['shape']} d{row['density']}: "
+                                          f"{row['minfer_ms']:.4f} ms", flush=True))
+    bench.env["copy_gbs"] = round(copy_gbs, 1)
+    return {"macko": rows}
+
+
+def study_report(bench: SuiteRun) -> None:
+    for section, rows in bench.results["macko"].items():
+        report.print_table(f"MACKO {section} ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS[section], rows)
+
+
+def e2e_step(bench: SuiteRun) -> dict:
+    args = bench.args
+    copy_gbs = bench.copy_gbs()
+    densities = args.densities or E2E_DENSITIES
+    if 1.0 not in densities:
+        print("note: no density 1.0 among --densities, so no dense row and no 'vs dense' column")
+    return {"macko_e2e": e2e_rows(
+        args.model, densities, args.prompt_tokens, args.new_tokens, bench.dtype, copy_gbs,
+        on_row=lambda _, row: print(f"  macko e2e d={row['density']}: {row['decode_tok_s']:.1f} tok/s", flush=True),
+        embedding=args.embedding, sharding=bench.sharding)}
+
+
+def e2e_report(bench: SuiteRun) -> None:
+    args = bench.args
+    if bench.results["macko_e2e"]:
+        report.print_table(f"MACKO end to end: {args.model}, random weights pruned by magnitude, batch 1, "
+                           f"embedding on the {args.embedding}", COLUMNS["e2e"], bench.results["macko_e2e"])
+
+
+def e2e_plot(bench: SuiteRun, path: str) -> bool:
+    if not bench.results["macko_e2e"]:
+        return False
+    plot_e2e(path, bench.results["macko_e2e"], f"{bench.args.model}, random weights pruned by magnitude, "
+                                                    f"batch 1, {bench.env.get('device')}")
+    return True
+
+
+register(Suite("macko", {"macko": dict}, study_step, study_report,
+               help="the MACKO kernel study: SpMV against cuBLAS, torch CSR, the dense reference and the reference "
+                    "kernel's schedule, then SpMM and decompression (also `python -m minfer.bench.macko_suite`, "
+                    "with its launch sweep)",
+               flags=("shapes", "densities", "reps"), check=lambda args: study_shapes(args.shapes)))
+register(Suite("macko-e2e", {"macko_e2e": list}, e2e_step, e2e_report,
+               flags=("densities", "plot", "model", "prompt_tokens", "new_tokens", "embedding"), alone_flags=("tp",),
+               e2e=True, in_all=True, plot=e2e_plot))
 
 
 def main(argv: list[str] | None = None) -> int:

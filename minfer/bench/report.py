@@ -129,3 +129,12 @@ def plot(path: str | Path, env: dict, kernel_rows: list[dict], e2e_rows: list[di
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_kernels_and_e2e(bench, path: str) -> bool:
+    """The kernels and e2e suites' shared figure (`bench` is a suites.SuiteRun): one PNG for either or both."""
+    kernel_rows, e2e_rows = bench.results["kernels"], bench.results["e2e"]
+    if not (kernel_rows or e2e_rows):
+        return False
+    plot(path, bench.env, kernel_rows, e2e_rows)
+    return True

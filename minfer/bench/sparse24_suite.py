@@ -32,6 +32,7 @@ from .arg_types import csv_list, positive_int
 from .cases_macko import LLAMA2_7B_SHAPES, rotated
 from .cases_sparse24 import matrix_24, sparse24_bytes
 from .macko_suite import bandwidth, print_study, run_study, time_eager
+from .suites import Suite, SuiteRun, register
 from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 
 SECTIONS = ("decode", "prefill", "e2e")
@@ -178,6 +179,31 @@ def token_list(text: str) -> tuple[int, ...]:
     if not tokens or min(tokens) < 1:
         raise argparse.ArgumentTypeError(f"token counts are whole numbers >= 1, got {text!r}")
     return tokens
+
+
+def run_step(bench: SuiteRun) -> dict:
+    args = bench.args
+
+    def on_row(section, row):
+        print(f"  sparse24 {section} {row['shape']} T{row['tokens']}: {row['minfer_ms']:.4f} ms", flush=True)
+
+    copy_gbs, rows = run(("decode", "prefill"), dtype=bench.dtype, replays=args.reps, on_row=on_row)
+    bench.env["copy_gbs"] = round(copy_gbs, 1)
+    bench.save({"sparse24": rows})
+    rows["e2e"] = e2e_rows(args.model, args.prompt_tokens, args.new_tokens, bench.dtype, copy_gbs, on_row,
+                           args.embedding)
+    return {"sparse24": rows}
+
+
+def report_step(bench: SuiteRun) -> None:
+    for section, rows in bench.results["sparse24"].items():
+        report.print_table(f"2:4 {section} ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS[section], rows)
+
+
+register(Suite("sparse24", {"sparse24": dict}, run_step, report_step,
+               help="the 2:4 study: GEMV and prefill against cuBLAS, minfer dense and cuSPARSELt, then decode beside "
+                    "dense and MACKO d=0.5 (also `python -m minfer.bench.sparse24_suite`)",
+               flags=("reps", "model", "prompt_tokens", "new_tokens", "embedding"), e2e=True))
 
 
 def main(argv: list[str] | None = None) -> int:
