@@ -83,7 +83,8 @@ STAND_INS = {
     "macko": (macko_stand_ins, ["MACKO spmv (test GPU, float16)"], []),
     "macko-e2e": (macko_e2e_stand_ins, ["MACKO end to end: llama2-7b"], ["bench.png"]),
     "sparse24": (sparse24_stand_ins, ["2:4 decode", "2:4 prefill", "2:4 e2e"], []),
-    "attention": (attention_stand_ins, ["block-sparse prefill", "kernel variants", "block-sparse decode"], ["bench.png"]),
+    "attention": (attention_stand_ins, ["block-sparse prefill", "kernel variants", "block-sparse decode"],
+                  ["bench.png"]),
     "ksmm": (ksmm_stand_ins, ["KS factors: grid", "KS factors: summary", "KS factors: e2e"], ["bench.png"]),
 }
 
