@@ -1,9 +1,9 @@
 """The suites apps/benchmark.py offers. Each suite module registers its `Suite` here, so a new weight
 format or attention backend adds its suite in its own file and the app names none of them.
 
-A run of the app calls, for every chosen suite in registration order: `check` (before the GPU is
-touched), then `run`; then every `report`; then every distinct `plot` (suites that share a figure
-give the same function, which draws once).
+A run of the app calls, over the chosen suites in registration order, every `check` (before the GPU is
+touched), then every `run`, every `report` and every distinct `plot` (suites that share a figure give
+the same function, which draws once).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Suite:
     name: str
     sections: dict[str, type]  # the JSON keys it fills, each with the type of its empty value
     run: Callable[[SuiteRun], dict]  # measures; returns its sections
-    report: Callable[[SuiteRun], None]  # prints its tables from run.results
+    report: Callable[[SuiteRun], None]  # prints its tables from SuiteRun.results
     help: str = ""  # its line in --suite's help
     flags: tuple[str, ...] = ()  # the optional flags it takes (argparse dests), also through --suite all
     alone_flags: tuple[str, ...] = ()  # flags it takes only when chosen by name, not through --suite all
