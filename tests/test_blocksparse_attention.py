@@ -91,6 +91,21 @@ def test_layout_shapes_density_and_per_head_random_blocks():
 
 
 @pytest.mark.parametrize("name", NAMED)
+def test_a_shorter_sequence_keeps_the_top_left_corner_of_a_longer_ones_layout(name):
+    """A prompt's prefill (built for its length) and the decode steps after it (built for the whole cache)
+    see the same blocks; bigbird's random blocks too, and they differ between rows, heads and seeds."""
+    longer = build_layout(name, 4, 2000, 64)
+    for seq_len in (1, 65, 700, 1999):
+        shorter = build_layout(name, 4, seq_len, 64)
+        blocks = shorter.shape[-1]
+        assert torch.equal(shorter, longer[:, :blocks, :blocks]), seq_len
+    random = build_layout("bigbird:window=1,global=0,random=2,seed=3", 4, 2000, 64)
+    assert (random.sum(-1)[:, 2:] == 3).all()  # the diagonal and exactly `random` earlier blocks
+    assert not torch.equal(random, build_layout("bigbird:window=1,global=0,random=2,seed=4", 4, 2000, 64))
+    assert len({tuple(random[0, row].nonzero().flatten().tolist()) for row in range(20, 31)}) > 5
+
+
+@pytest.mark.parametrize("name", NAMED)
 @pytest.mark.parametrize("block_size,seq_len", [(64, 1), (64, 1000), (128, 1000), (128, 129)])
 def test_compact_form_round_trips(name, block_size, seq_len):
     layout = build_layout(name, 3, seq_len, block_size)

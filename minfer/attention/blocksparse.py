@@ -7,9 +7,8 @@ query tile holding the position on the device (sink-window by arithmetic on the 
 from the lists), so a captured step stays valid as the context grows, and its splits share only those
 tiles. Heads of one KV group whose kept tiles differ
 (bigbird, per-head file layouts) read the union of the group's tiles once, each head masking the tiles
-it does not keep. The layout decode uses is the one built for the whole cache: for bigbird, whose random
-blocks depend on the length, a prompt's prefill (built for the prompt's length) may draw other random
-blocks than the decode steps after it.
+it does not keep. The layout decode uses is the one built for the whole cache; every named layout's blocks
+depend on their position alone, so a prompt's prefill keeps the blocks the decode steps after it see.
 """
 
 from __future__ import annotations

@@ -131,13 +131,28 @@ def _causal_blocks(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
 
 
+def _index_hash(seed: int, *indices: torch.Tensor) -> torch.Tensor:
+    """A 31-bit pseudo-random integer per element of the broadcast `indices`, a function of the seed and
+    the indices alone (each step's product stays below 2^62, so int64 never wraps)."""
+    value = torch.tensor(seed & 0x7FFFFFFF, dtype=torch.int64)
+    for index in (None, *indices):
+        if index is not None:
+            value = value ^ index.to(torch.int64)
+        value = ((value ^ (value >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
+        value = ((value ^ (value >> 12)) * 0x297A2D39) & 0x7FFFFFFF
+        value = value ^ (value >> 15)
+    return value
+
+
 def _bigbird_random(n: int, heads: int, random: int, seed: int) -> torch.Tensor:
     """(heads, n, n): per head and query block, `random` key blocks drawn without replacement among the
-    earlier ones (all of them when fewer)."""
-    generator = torch.Generator().manual_seed(seed)
-    scores = torch.rand(heads, n, n, generator=generator)
+    earlier ones (all of them when fewer). A block's draw depends only on (seed, head, query block, key
+    block), so the layout of a shorter sequence is the top-left corner of a longer one's: a prompt's
+    prefill and the decode steps after it keep the same blocks."""
+    blocks = torch.arange(n)
+    scores = _index_hash(seed, torch.arange(heads)[:, None, None], blocks[None, :, None], blocks[None, None, :])
     earlier = torch.ones(n, n, dtype=torch.bool).tril(-1)
-    scores = scores.masked_fill(~earlier, -1.0)
+    scores = scores.masked_fill(~earlier, -1)
     picked = torch.zeros(heads, n, n, dtype=torch.bool)
     if random and n > 1:
         top = scores.topk(min(random, n - 1), dim=-1).indices
