@@ -21,7 +21,7 @@ Examples:
   torchrun --nproc-per-node 2 apps/generate.py --model llama2-70b --weights random --sparse macko --density 0.5
 
 Tensor parallelism (--tp N, or started by torchrun) splits every projection and the KV cache over N GPUs
-of this host (NCCL; gloo with --device cpu); rank 0 alone prints and writes --json.
+of this host (NCCL; gloo on the CPU: --device cpu, or no GPU); rank 0 alone prints and writes --json.
 
 Real weights come from the Hugging Face Hub (safetensors only) into the HF cache. The meta-llama
 repos are gated: accept the license on huggingface.co, then export HF_TOKEN=<access token>.
@@ -126,7 +126,7 @@ def tensor_parallel(args: argparse.Namespace) -> tuple[parallel.Sharding, torch.
     if args.device not in (None, "cpu", "cuda"):
         raise MinferError(f"--device {args.device}: tensor-parallel rank r runs on cuda:r; pass --device cuda or cpu")
     sparsity_cli.check_tensor_parallel(args)
-    sharding, device = parallel.init("cpu" if args.device == "cpu" else "cuda")
+    sharding, device = parallel.init(pick_device(args.device).type)  # no --device: the GPUs if any, else the CPU
     parallel.quiet_other_ranks(sharding)
     return sharding, device
 
