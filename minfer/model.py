@@ -93,14 +93,13 @@ class Linear(nn.Module):
         `residual` in place when given (WeightFormat.project: decode kernels fuse these steps)."""
         if norm is None and residual is None and not silu_mul:
             return self.fmt(x)
-        row_parallel = residual is not None and self.row_parallel.active
-        if row_parallel:
-            self.row_parallel.zero_partial_(residual)
-        out = self.fmt.project(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, residual,
-                               silu_mul)
-        if row_parallel:
-            self.row_parallel.all_reduce_(residual)
-        return out
+        norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        if residual is None or not self.row_parallel.active:
+            return self.fmt.project(x, norm_weight, eps, residual, silu_mul)
+        # Row-parallel: rank 0 adds its partial product into the residual, the other ranks keep theirs
+        # apart, and the sum over the ranks lands in every rank's residual.
+        mine = self.fmt.project(x, norm_weight, eps, None if self.row_parallel.rank else residual, silu_mul)
+        return self.row_parallel.reduce_into_(mine, residual)
 
 
 EMBEDDING_PLACES = ("host", "gpu")  # Transformer.place_embedding

@@ -8,14 +8,15 @@ stream: after every all-reduce each rank holds the same hidden state, and after 
 logits, so every rank samples the same token with the same seed (no broadcast).
 
 The residual add rides in the all-reduce: rank 0 adds its partial product into the residual stream
-(the fused GEMV epilogue), the other ranks write theirs into a zeroed copy, and the sum over ranks is
-residual + o_proj(x). `Sharding` carries the rank, the group and these steps; the default one (one
+(the fused GEMV epilogue), the other ranks keep theirs apart, and the sum over the ranks, written into
+every rank's residual, is residual + o_proj(x). `Sharding` carries the rank, the group and these steps; the default one (one
 rank) makes every step a no-op, so the single-GPU model is the same code.
 
 Process groups come from the torch.distributed environment (torchrun's, or `launch`'s): NCCL on CUDA,
 gloo on the CPU, with NVLink multicast kept off (`RANK_ENV`). A decode step's all-reduces (one hidden
-vector each) are latency-bound; with MINFER_TP_ALLREDUCE=symm-mem they run torch's symmetric-memory
-one-shot all-reduce instead of NCCL's (each rank reads its peers' buffers over NVLink; no multicast).
+vector each) are latency-bound: on GPUs they run minfer's one-shot all-reduce (`PeerAllReduce`: each rank
+reads its peers' symmetric-memory buffers over NVLink, no multicast), or NCCL's with
+MINFER_TP_ALLREDUCE=nccl.
 """
 
 from __future__ import annotations
@@ -36,43 +37,42 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelConfig
+from . import ops
 from .errors import MinferError
 
 # Every rank's environment: NVLink SHARP (multicast) off in NCCL and in torch's symmetric memory.
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # How long a rank waits in a collective for the others (a rank that died ends the rest by then).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
-ALLREDUCE_CHOICES = ("nccl", "symm-mem")  # $MINFER_TP_ALLREDUCE
-SYMM_MEM_MAX_ELEMENTS = 16384  # all-reduces up to this size (a decode step's hidden vectors) take symmetric memory
+ALLREDUCE_CHOICES = ("minfer", "nccl")  # $MINFER_TP_ALLREDUCE; minfer's needs GPUs
 
 
-class SymmetricAllReduce:
-    """torch's one-shot all-reduce (symm_mem.one_shot_all_reduce_out: each rank sums its peers' buffers,
-    read over NVLink) through a float32 symmetric-memory buffer, made at the first call, which every rank
-    reaches eagerly before any graph capture. torch's kernel takes float32 and bfloat16 only, so the
-    tensor is staged in float32 (the sum is then exact to float32 for fp16 models too)."""
+class PeerAllReduce:
+    """minfer's one-shot all-reduce (ops.one_shot_all_reduce) for the small all-reduces of a decode step:
+    each rank copies its part into a symmetric-memory buffer (torch's: every rank maps every other's),
+    raises a flag in each peer's signal pad, and sums the peers' buffers read over NVLink, in one kernel.
+    Made in `init`, eagerly on every rank, before any graph capture; larger tensors go to NCCL."""
 
-    def __init__(self, group_name: str):
-        self.group_name = group_name
-        self.staged: torch.Tensor | None = None  # the symmetric buffer
-        self.summed: torch.Tensor | None = None
-
-    @staticmethod
-    def takes(tensor: torch.Tensor) -> bool:
-        return tensor.is_cuda and tensor.is_contiguous() and tensor.numel() <= SYMM_MEM_MAX_ELEMENTS
-
-    def __call__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, device: torch.device, group_name: str):
         from torch.distributed import _symmetric_memory as symm_mem
 
-        if self.staged is None:
-            self.staged = symm_mem.empty(SYMM_MEM_MAX_ELEMENTS, dtype=torch.float32, device=tensor.device)
-            symm_mem.rendezvous(self.staged, self.group_name)
-            self.summed = torch.empty_like(self.staged)
-        flat = tensor.view(-1)
-        staged, summed = self.staged[:flat.numel()], self.summed[:flat.numel()]
-        staged.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, summed)
-        flat.copy_(summed)
+        self.slot_bytes = ops.ALL_REDUCE_MAX_BYTES
+        self.buffer = symm_mem.empty(2 * self.slot_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(self.buffer, group_name)
+        self.rank = handle.rank
+        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.signals = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(ops.ALL_REDUCE_MAX_BLOCKS, dtype=torch.int32, device=device)
+        # Flags start at zero on every rank before any rank raises one in a peer's pad.
+        handle.get_signal_pad(handle.rank, (handle.signal_pad_size // 4,), torch.int32).zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(device_ids=[device.index])
+
+    def fits(self, part: torch.Tensor) -> bool:
+        return ops.one_shot_all_reduce_fits(part, self.slot_bytes)
+
+    def __call__(self, part: torch.Tensor, out: torch.Tensor) -> None:
+        ops.one_shot_all_reduce(part, out, self.buffers, self.signals, self.epochs, self.slot_bytes, self.rank)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Sharding:
 
     rank: int = 0
     world: int = 1
-    symmetric: SymmetricAllReduce | None = field(default=None, compare=False)  # small all-reduces, else NCCL
+    peers: PeerAllReduce | None = field(default=None, compare=False)  # small all-reduces, else NCCL
 
     @property
     def active(self) -> bool:
@@ -104,20 +104,19 @@ class Sharding:
                                    num_kv_heads=config.num_kv_heads // self.world,
                                    intermediate_size=config.intermediate_size // self.world)
 
-    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the ranks, in place (graph-capturable on NCCL)."""
-        if self.symmetric is not None and self.symmetric.takes(tensor):
-            self.symmetric(tensor)
+    def reduce_into_(self, part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = the sum over the ranks of each rank's `part` (which may be `out` itself); graph-capturable."""
+        if self.peers is not None and self.peers.fits(part):
+            self.peers(part, out)
         elif self.active:
-            dist.all_reduce(tensor)
-        return tensor
+            if part is not out:
+                out.copy_(part)
+            dist.all_reduce(out)
+        return out
 
-    def zero_partial_(self, residual: torch.Tensor) -> torch.Tensor:
-        """Before a row-parallel projection adds into `residual`: only rank 0 keeps the residual itself,
-        so that the all-reduce after it yields residual + the sum of the partial products."""
-        if self.rank:
-            residual.zero_()
-        return residual
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place."""
+        return self.reduce_into_(tensor, tensor)
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Each rank's [..., n] slice -> the [..., world * n] tensor of all of them in rank order."""
@@ -151,16 +150,16 @@ def launched_world() -> int:
 
 def init(device_type: str) -> tuple[Sharding, torch.device]:
     """Join the process group the launcher's environment describes (NCCL for CUDA, gloo for the CPU)
-    and return this rank's Sharding and device (cuda:LOCAL_RANK), with the all-reduce $MINFER_TP_ALLREDUCE
-    names (nccl by default)."""
+    and return this rank's Sharding and device (cuda:LOCAL_RANK). The decode step's all-reduces run as
+    $MINFER_TP_ALLREDUCE names: "minfer" (PeerAllReduce, the default on GPUs) or "nccl"."""
     world = launched_world()
     if world == 1:
         raise MinferError("init: this process was not started by a tensor-parallel launcher (WORLD_SIZE is unset)")
-    allreduce = os.environ.get("MINFER_TP_ALLREDUCE", "nccl")
+    allreduce = os.environ.get("MINFER_TP_ALLREDUCE", "minfer" if device_type == "cuda" else "nccl")
     if allreduce not in ALLREDUCE_CHOICES:
         raise MinferError(f"MINFER_TP_ALLREDUCE={allreduce} is not one of {', '.join(ALLREDUCE_CHOICES)}")
-    if allreduce == "symm-mem" and device_type != "cuda":
-        raise MinferError("MINFER_TP_ALLREDUCE=symm-mem needs CUDA GPUs; unset it for a CPU run")
+    if allreduce == "minfer" and device_type != "cuda":
+        raise MinferError("MINFER_TP_ALLREDUCE=minfer needs CUDA GPUs; unset it for a CPU run")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     for key, value in RANK_ENV.items():
         os.environ.setdefault(key, value)
@@ -174,8 +173,8 @@ def init(device_type: str) -> tuple[Sharding, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    symmetric = SymmetricAllReduce(dist.group.WORLD.group_name) if allreduce == "symm-mem" else None
-    return Sharding(rank, world, symmetric), device
+    peers = PeerAllReduce(device, dist.group.WORLD.group_name) if allreduce == "minfer" else None
+    return Sharding(rank, world, peers), device
 
 
 def shutdown() -> None:

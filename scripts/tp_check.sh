@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on a host of 2+ GPUs for tensor parallelism (issue 35), inside a time budget: build, the
-# device-to-device copy rate, decode tok/s of llama2-7b at TP 1 and TP 2 (NCCL and symmetric-memory
-# all-reduces), llama2-70b at TP 2 dense and MACKO d = 0.5 (random weights, built per rank on its GPU), and
-# the NCCL greedy-equality tests. Steps run most important first, each cut to the time left; JSON and logs go
+# device-to-device copy rate, the all-reduce kernel's tests, decode tok/s of llama2-7b at TP 1 and TP 2
+# (minfer's one-shot all-reduce and NCCL's), llama2-70b at TP 2 dense and MACKO d = 0.5 (random weights,
+# built per rank on its GPU), and the greedy-equality tests on the GPUs. Steps run most important first, each cut to the time left; JSON and logs go
 # under $OUT and a summary table is printed last.
 #   usage (GPU machine, repo root): BUDGET_S=190 bash scripts/tp_check.sh
 set -uo pipefail
@@ -28,12 +28,13 @@ step() {
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -n 2
 step build 90 python3 -m minfer.ops --build || true
 step copy_rate 20 python3 -c "from minfer.bench.timing import copy_bandwidth_gbs; print(round(copy_bandwidth_gbs(), 1))"
+step allreduce_tests 60 python3 -m pytest -x -q -p no:cacheprovider tests/test_allreduce.py
 gen=(python3 apps/generate.py --weights random --json --prompt "Tensor parallel" --max-new-tokens 256)
 step 7b_tp1 40 "${gen[@]}" --model llama2-7b
 step 7b_tp2 45 "${gen[@]}" --model llama2-7b --tp 2
+step gpu_tp_tests 110 python3 -m pytest -q -p no:cacheprovider tests/test_parallel.py -k gpus
+step 7b_tp2_nccl 45 env MINFER_TP_ALLREDUCE=nccl "${gen[@]}" --model llama2-7b --tp 2
 step 70b_tp2 60 "${gen[@]}" --model llama2-70b --tp 2
-step nccl_tests 50 python3 -m pytest -x -q -p no:cacheprovider tests/test_parallel.py -k nccl
-step 7b_tp2_symm 40 env MINFER_TP_ALLREDUCE=symm-mem "${gen[@]}" --model llama2-7b --tp 2
 step 70b_tp2_macko 90 "${gen[@]}" --model llama2-70b --tp 2 --sparse macko --density 0.5
 
 python3 - "$OUT" <<'EOF'
@@ -55,7 +56,7 @@ except (OSError, ValueError, IndexError):
     copy = None
 print(f"copy rate {copy} GB/s (read + write)")
 base = last_json("7b_tp1")
-for name in ("7b_tp1", "7b_tp2", "7b_tp2_symm", "70b_tp2", "70b_tp2_macko"):
+for name in ("7b_tp1", "7b_tp2", "7b_tp2_nccl", "70b_tp2", "70b_tp2_macko"):
     run = last_json(name)
     if run is None:
         print(f"{name:14} no result (see {name}.txt)")
@@ -73,4 +74,4 @@ for name in ("7b_tp1", "7b_tp2", "7b_tp2_symm", "70b_tp2", "70b_tp2_macko"):
     print(line)
 EOF
 printf '%s\n' "---- steps" "${summary[@]}"
-tail -n 3 "$OUT/nccl_tests.txt" 2>/dev/null
+tail -n 3 "$OUT/allreduce_tests.txt" "$OUT/gpu_tp_tests.txt" 2>/dev/null

@@ -39,6 +39,9 @@ def constants(relative_path: str) -> dict[str, int]:
     (ops.BLOCKSPARSE_TILE, "blocksparse_attention/blocksparse_attention.h", ["kBlocksparseTile"]),
     (ops.SPARSE24_CHUNK_COLS, "sparse24/sparse24.h", ["kSparse24ChunkCols"]),
     (ops.SPARSE24_GEMV_MAX_TOKENS, "sparse24/sparse24.h", ["kSparse24MaxTokens"]),
+    (ops.ALL_REDUCE_MAX_BLOCKS, "allreduce/one_shot_all_reduce.h", ["kAllReduceMaxBlocks"]),
+    (ops.ALL_REDUCE_MAX_BYTES // ops.ALL_REDUCE_MAX_BLOCKS // 16, "allreduce/one_shot_all_reduce.h",
+     ["kAllReduceThreads"]),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_python_limit_matches_the_kernel_source(python_value, source, names):
     found = constants(source)

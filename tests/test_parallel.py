@@ -100,8 +100,8 @@ def test_launch_ends_every_rank_when_one_fails(capsys):
 GENERATE = ("--json", "--max-new-tokens", "12", "--prompt", "Once upon a time")
 
 
-def _greedy_tokens(folder, tp: int, *flags: str) -> list[int]:
-    result = cli("--model", str(folder), *GENERATE, "--tp", str(tp), *flags)
+def _greedy_tokens(folder, tp: int, *flags: str, env: dict | None = None) -> list[int]:
+    result = cli("--model", str(folder), *GENERATE, "--tp", str(tp), *flags, env=env)
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     assert output["tensor_parallel"] == tp
@@ -148,9 +148,12 @@ def test_tp_refusals_are_one_line(gqa_folder):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on a multi-GPU device)")
+@pytest.mark.parametrize("allreduce", ["minfer", "nccl"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_greedy_tokens_equal_tp_1_on_nccl(gqa_folder, dtype):
-    """NCCL all-reduces and the gather inside each rank's captured decode graph (minfer's kernels in float16)."""
+def test_greedy_tokens_equal_tp_1_on_gpus(gqa_folder, dtype, allreduce):
+    """The all-reduces (minfer's one-shot or NCCL's) and NCCL's gather inside each rank's captured decode
+    graph (minfer's kernels in float16)."""
     expected = _greedy_tokens(gqa_folder, 1, "--dtype", dtype)
     for tp in (2, 4) if torch.cuda.device_count() >= 4 else (2,):
-        assert _greedy_tokens(gqa_folder, tp, "--dtype", dtype) == expected, f"TP {tp}"
+        tokens = _greedy_tokens(gqa_folder, tp, "--dtype", dtype, env={"MINFER_TP_ALLREDUCE": allreduce})
+        assert tokens == expected, f"TP {tp}"

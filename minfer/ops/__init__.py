@@ -11,6 +11,13 @@ Each op has three parts kept side by side:
 `python -m minfer.ops --build` compiles every kernel (for sm_90a when no GPU is present).
 """
 
+from .allreduce import (
+    ALL_REDUCE_MAX_BLOCKS,
+    ALL_REDUCE_MAX_BYTES,
+    one_shot_all_reduce,
+    one_shot_all_reduce_fits,
+    one_shot_all_reduce_reference,
+)
 from .attention import (
     DECODE_ATTENTION_KEY_TILE,
     DECODE_ATTENTION_MAX_SPLITS,
@@ -94,7 +101,7 @@ from .sparse24 import (
 from .tokens import argmax, argmax_reference, embedding, embedding_reference
 
 __all__ = [
-    "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_KEY_TILE", "DECODE_ATTENTION_MAX_SPLITS",
+    "ALL_REDUCE_MAX_BLOCKS", "ALL_REDUCE_MAX_BYTES", "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_KEY_TILE", "DECODE_ATTENTION_MAX_SPLITS",
     "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "KSMM_DTYPES", "KSMM_PATHS", "KSMM_ROWS_MAX_D", "KSMM_ROWS_MAX_TOKENS",
     "MACKO_FUSED_MAX_COLS", "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS",
     "MACKO_TILE_ROWS", "MACKO_WINDOW_COLS", "SPARSE24_CHUNK_COLS", "SPARSE24_GEMV_MAX_TOKENS", "add_rms_norm", "argmax",
@@ -106,6 +113,7 @@ __all__ = [
     "kernels_run_on", "ksmm", "ksmm_path", "ksmm_reference", "ksmm_tuned", "linear_reference", "macko_decompress",
     "macko_decompress_reference", "macko_k_splits", "macko_spmv", "macko_spmv_reference", "macko_spmv_tuned",
     "macko_tensor_core_spmm", "macko_tensor_core_spmm_tuned", "macko_uses_tensor_cores", "macko_window_table",
+    "one_shot_all_reduce", "one_shot_all_reduce_fits", "one_shot_all_reduce_reference",
     "require_cuda", "rms_norm", "rms_norm_reference", "rope_write_kv", "rope_write_kv_reference", "silu_mul",
     "silu_mul_reference", "sink_window_decode_attention", "sink_window_decode_attention_reference",
     "sparse24_decompress", "sparse24_decompress_reference", "sparse24_gemv", "target_arch_list", "unpack_nibbles",
