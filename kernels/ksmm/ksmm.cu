@@ -182,7 +182,8 @@ __device__ __forceinline__ uint32_t pack_plane_pair(const uint4 (&chunks)[kGemvC
 // Per l, a lane's 32 / DL values of that l feed 8 / DL mma.m16n8k16 (A: the 16 rows, B: the tokens) in a
 // k-slot order that depends on t alone, the same for A and B, so each dot product is exact in any order.
 // The warps' fp32 sums meet in shared memory; the cluster's first block adds them in block then warp order
-// (deterministic), reading the others' through distributed shared memory.
+// (deterministic), reading the others' through distributed shared memory. Launched as a programmatic
+// dependent (PDL): the first weights are on the way before the previous kernel ends; x waits for it.
 template <typename T, int DL, int NT>
 __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                                       T* __restrict__ y, int tokens, int a, int b,
@@ -210,7 +211,9 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
     const auto offset = [&](int u) { return DL == 8 ? (int64_t)u * d : (int64_t)u * 8; };
     const auto keep = [](bool ok, const uint4& v) { return ok ? v : make_uint4(0, 0, 0, 0); };
 
+    allow_dependents_to_launch();
     float acc[DL][NT][4] = {};
+    bool waited = false;
     for (int first = split * warps + warp; first < steps; first += cluster_warps * kSteps) {
         uint4 wl[kSteps][kGemvChunks], wh[kSteps][kGemvChunks], xl[kSteps][kGemvChunks], xh[NT == 2 ? kSteps : 1][kGemvChunks];
 #pragma unroll
@@ -222,8 +225,20 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
                 const int64_t at = valid ? offset(u) : 0;
                 wl[s][q] = keep(valid && lo_ok, load_stream_16B(w_lo + at));
                 wh[s][q] = keep(valid && hi_ok, load_stream_16B(w_hi + at));
-                xl[s][q] = keep(valid && x_lo_ok, __ldg(reinterpret_cast<const uint4*>(x_lo + at)));
-                if constexpr (NT == 2) xh[s][q] = keep(valid && x_hi_ok, __ldg(reinterpret_cast<const uint4*>(x_hi + at)));
+            }
+        if (!waited) {
+            wait_for_previous_kernel();  // x may come from it: coherent loads from here on
+            waited = true;
+        }
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+            for (int q = 0; q < kGemvChunks; ++q) {
+                const int step = first + s * cluster_warps, u = step * 16 + q * 4 + t;
+                const bool valid = step < steps && u < units;
+                const int64_t at = valid ? offset(u) : 0;
+                xl[s][q] = keep(valid && x_lo_ok, load_coherent_16B(x_lo + at));
+                if constexpr (NT == 2) xh[s][q] = keep(valid && x_hi_ok, load_coherent_16B(x_hi + at));
             }
 #pragma unroll
         for (int s = 0; s < kSteps; ++s)
@@ -247,6 +262,7 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int r = 0; r < 4; ++r) partial[(warp * kAcc + (l * NT + nt) * 4 + r) * 32 + lane] = acc[l][nt][r];
+    wait_for_previous_kernel();  // y too may be read by it (warps without steps never waited above)
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
@@ -280,18 +296,20 @@ void launch_gemv_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, i
     // Blocks per tile: enough for two blocks per SM, each warp keeping at least one step.
     const int64_t wanted = (2 * sm_count() + tiles - 1) / tiles, useful = (steps + warps - 1) / warps;
     const int splits = (int)std::max<int64_t>(1, std::min<int64_t>({kGemvMaxSplits, wanted, useful}));
-    cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = splits;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
+    cudaLaunchAttribute attributes[2];
+    attributes[0].id = cudaLaunchAttributeClusterDimension;
+    attributes[0].val.clusterDim.x = splits;
+    attributes[0].val.clusterDim.y = 1;
+    attributes[0].val.clusterDim.z = 1;
+    attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[1].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3((unsigned)(tiles * splits));
     config.blockDim = dim3(warps * 32);
     config.dynamicSmemBytes = warps * DL * NT * 4 * 32 * sizeof(float);
     config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    config.attrs = attributes;
+    config.numAttrs = device_supports_pdl() ? 2 : 1;
     cudaLaunchKernelEx(&config, kernel, x, w, y, (int)tokens, (int)a, (int)b, (int)c, (int)d, splits);
 }
 
