@@ -119,23 +119,33 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
 #pragma unroll
             for (int r = 0; r < 4; ++r) partial[(warp * kAcc + (l * NT + nt) * 4 + r) * 32 + lane] = acc[l][nt][r];
     wait_for_previous_kernel();  // y too may be read by it (warps without steps never waited above)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();
+    const bool first_block = cluster.block_rank() == 0;
+    const auto sums_of = [&](int rank) { return cluster.map_shared_rank(partial, rank); };
+#else
+    __syncthreads();  // no clusters before sm_90: the launcher keeps splits at 1
+    const bool first_block = true;
+    const auto sums_of = [&](int) { return partial; };
+#endif
     // C fragment: c0, c1 = row g, tokens 2t, 2t + 1 of the n-tile; c2, c3 = row g + 8.
-    if (cluster.block_rank() == 0)
+    if (first_block)
         for (int e = threadIdx.x; e < kAcc * 32; e += blockDim.x) {
             const int idx = e / 32, owner = e % 32, r = idx % 4, nt = idx / 4 % NT, l = idx / (4 * NT);
             const int j = j0 + owner / 4 + (r >= 2 ? 8 : 0), n = nt * 8 + 2 * (owner % 4) + (r & 1);
             if (j >= b || n >= tokens) continue;
             float sum = 0.f;
             for (int rank = 0; rank < splits; ++rank) {
-                const float* sums = cluster.map_shared_rank(partial, rank);
+                const float* sums = sums_of(rank);
                 for (int k = 0; k < warps; ++k) sum += sums[(k * kAcc + idx) * 32 + owner];
             }
             y[(((int64_t)n * a + i) * b + j) * d + l0 + l] = from_float<T>(sum);
         }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     cluster.sync();  // the other blocks' shared memory stays until the first block has read it
+#endif
 }
 
 template <typename T, int DL, int NT>
@@ -149,9 +159,10 @@ void launch_gemv_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, i
     const int64_t units = DL == 8 ? c : c * d / 8, steps = (units + 15) / 16;
     const int warps = (int)std::min<int64_t>(kGemvMaxWarps, steps);
     const int64_t tiles = a * ((b + 15) / 16) * (DL == 8 ? d / 8 : 1);
-    // Blocks per tile: enough for two blocks per SM, each warp keeping at least one step.
+    // Blocks per tile (sm_90+, a cluster): enough for two blocks per SM, each warp keeping at least one step.
+    const bool hopper = device_supports_pdl();  // clusters and PDL both start at sm_90
     const int64_t wanted = (2 * sm_count() + tiles - 1) / tiles, useful = (steps + warps - 1) / warps;
-    const int splits = (int)std::max<int64_t>(1, std::min<int64_t>({kGemvMaxSplits, wanted, useful}));
+    const int splits = hopper ? (int)std::max<int64_t>(1, std::min<int64_t>({kGemvMaxSplits, wanted, useful})) : 1;
     cudaLaunchAttribute attributes[2];
     attributes[0].id = cudaLaunchAttributeClusterDimension;
     attributes[0].val.clusterDim.x = splits;
@@ -165,7 +176,7 @@ void launch_gemv_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, i
     config.dynamicSmemBytes = warps * DL * NT * 4 * 32 * sizeof(float);
     config.stream = stream;
     config.attrs = attributes;
-    config.numAttrs = device_supports_pdl() ? 2 : 1;
+    config.numAttrs = hopper ? 2 : 0;
     cudaLaunchKernelEx(&config, kernel, x, w, y, (int)tokens, (int)a, (int)b, (int)c, (int)d, splits);
 }
 
