@@ -12,21 +12,12 @@ from tests.numerics import rel_error
 
 pytestmark = [requires_cuda, pytest.mark.memcheck]  # memcheck: see scripts/device_check.sh
 
-# (a, b, c, d): d = 1, 2, 4, 8, 16, 64 and odd ones, a > 1, b != c, c not a multiple of the 32-wide k tile.
+# (a, b, c, d): d = 1, 2, 4, 8, 16, 64 and odd ones, a > 1, b != c, c not a multiple of the 32-wide k tile,
+# and long rows over few tiles (gemv then splits a tile over a cluster of blocks).
 PATTERNS = [(1, 64, 96, 4), (4, 40, 24, 1), (2, 24, 40, 2), (1, 48, 16, 16), (3, 20, 8, 8), (5, 7, 13, 8),
-            (1, 17, 24, 64), (1, 130, 200, 1), (2, 10, 29, 3), (3, 9, 7, 1)]
+            (1, 17, 24, 64), (1, 130, 200, 1), (2, 10, 29, 3), (3, 9, 7, 1), (1, 32, 1024, 8), (2, 20, 512, 2)]
 BATCHES = [1, 3, 17, 300]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def runs_on(path: str, pattern, tokens: int) -> bool:
-    """Whether the kernel `path` takes this shape (aligned tensors). The tensor cores take any batch, so they
-    take a pattern when auto picks them past the bandwidth path's batch."""
-    if path == "rows":
-        return ops.ksmm_path(pattern, tokens) == "rows"
-    if path == "tensor-core":
-        return ops.ksmm_path(pattern, ops.KSMM_ROWS_MAX_TOKENS + 1) == "tensor-core"
-    return True
 
 
 def problem(pattern, tokens, dtype, seed=0):
@@ -43,11 +34,11 @@ def expected64(x, factor):
 
 @pytest.mark.memcheck_skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("path", ["auto", "generic", "rows", "tensor-core"])
+@pytest.mark.parametrize("path", list(ops.KSMM_PATHS))
 @pytest.mark.parametrize("tokens", BATCHES)
 @pytest.mark.parametrize("pattern", PATTERNS, ids=str)
 def test_every_path_matches_float64(pattern, tokens, path, dtype):
-    if not runs_on(path, pattern, tokens):
+    if not ops.ksmm_kernel_takes(path, pattern, tokens):
         pytest.skip(f"the {path} kernel does not take {pattern} for {tokens} tokens (test_refusals covers it)")
     x, factor = problem(pattern, tokens, dtype, seed=tokens)
     a, b, _, d = pattern
@@ -56,19 +47,25 @@ def test_every_path_matches_float64(pattern, tokens, path, dtype):
     assert rel_error(out, expected64(x, factor)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("pattern, tokens", [((1, 64, 96, 4), 1), ((1, 48, 16, 64), 5), ((2, 24, 40, 2), 40),
-                                             ((1, 48, 16, 16), 33), ((2, 10, 29, 3), 2)], ids=str)
-def test_small_cases_under_the_sanitizer(pattern, tokens):
-    """Every kernel (rows with one warp and with a block per row, the tensor-core tiles, generic) once."""
+@pytest.mark.parametrize("pattern, tokens, path", [
+    ((1, 64, 96, 4), 1, "auto"), ((1, 48, 16, 64), 5, "auto"), ((3, 20, 8, 8), 12, "auto"), ((2, 24, 40, 2), 40, "auto"),
+    ((1, 48, 16, 16), 33, "auto"), ((2, 10, 29, 3), 2, "auto"), ((1, 48, 16, 64), 5, "rows"), ((1, 64, 96, 4), 3, "rows"),
+    ((1, 32, 1024, 8), 1, "auto"),
+], ids=str)
+def test_small_cases_under_the_sanitizer(pattern, tokens, path):
+    """Every kernel once: gemv (1 and 2 token tiles, d <= 8 and d > 8, a tile over a cluster of 8 blocks), the
+    tensor-core tiles, generic, rows."""
     x, factor = problem(pattern, tokens, torch.float16)
-    assert rel_error(ops.ksmm(x, factor), expected64(x, factor)) < TOLERANCE[torch.float16]
+    out = ops.ksmm_tuned(x, factor, path=path)
+    assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.float16]
 
 
 @pytest.mark.racecheck
-@pytest.mark.parametrize("pattern, tokens, path", [((1, 16, 1024, 8), 3, "rows"), ((2, 40, 72, 4), 70, "tensor-core"),
-                                                   ((1, 40, 72, 1), 70, "tensor-core")], ids=str)
+@pytest.mark.parametrize("pattern, tokens, path", [((1, 16, 1024, 8), 3, "rows"), ((1, 40, 512, 4), 12, "gemv"),
+                                                   ((2, 40, 72, 4), 70, "tensor-core"), ((1, 40, 72, 1), 70, "tensor-core")],
+                         ids=str)
 def test_shared_memory_kernels(pattern, tokens, path):
-    """Racecheck cases: the rows kernel's cross-warp sums (a block per row) and the tensor-core stages."""
+    """Racecheck cases: the cross-warp sums of rows (a block per row) and gemv (8 warps), the tensor-core stages."""
     x, factor = problem(pattern, tokens, torch.bfloat16)
     out = ops.ksmm_tuned(x, factor, path=path)
     assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.bfloat16]
@@ -77,8 +74,9 @@ def test_shared_memory_kernels(pattern, tokens, path):
 @pytest.mark.memcheck_skip
 def test_refusals():
     x, factor = problem((1, 8, 8, 2), 17, torch.float16)
-    with pytest.raises(RuntimeError, match="path 2 cannot run the pattern"):
-        ops.ksmm_tuned(x, factor, path="rows")
+    for path, number in (("rows", 2), ("gemv", 4)):
+        with pytest.raises(RuntimeError, match=f"path {number} cannot run the pattern"):
+            ops.ksmm_tuned(x, factor, path=path)
     x, factor = problem((2, 10, 29, 3), 4, torch.float16)
     with pytest.raises(RuntimeError, match="path 3 cannot run the pattern"):
         ops.ksmm_tuned(x, factor, path="tensor-core")
@@ -87,9 +85,9 @@ def test_refusals():
     x, factor = problem((1, 8, 16, 4), 4, torch.float16)
     misaligned = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
     assert rel_error(ops.ksmm(misaligned, factor), expected64(x, factor)) < TOLERANCE[torch.float16]  # generic
-    assert ops.ksmm_tuned(x, factor, path="rows").shape == (4, 32)
-    with pytest.raises(RuntimeError, match="path 2 cannot run"):
-        ops.ksmm_tuned(misaligned, factor, path="rows")
+    assert ops.ksmm_tuned(x, factor, path="gemv").shape == (4, 32)
+    with pytest.raises(RuntimeError, match="path 4 cannot run"):
+        ops.ksmm_tuned(misaligned, factor, path="gemv")
 
 
 @pytest.mark.memcheck_skip
@@ -97,7 +95,7 @@ def test_opcheck():
     x, factor = problem((1, 64, 96, 4), 3, torch.float16)
     out = x.new_empty(3, 256)
     torch.library.opcheck(torch.ops.minfer.ksmm, (x, factor, out))
-    for path in (0, 1, 2, 3):
+    for path in ops.KSMM_PATHS.values():
         torch.library.opcheck(torch.ops.minfer.ksmm_tuned, (x, factor, out, path))
 
 

@@ -8,15 +8,21 @@
 
 namespace minfer {
 
-// Up to this many tokens the bandwidth path runs: each weight is read once, every token's products summed
-// in registers (a segmented GEMV: W[i][j][:][:] and x[n][i][:][:] are contiguous c*d runs).
+// Up to this many tokens the bandwidth paths run (gemv, rows): each weight is read once for all tokens.
+// W[i][j][:][:] and x[n][i][:][:] are contiguous c*d runs, so a factor is a segmented GEMV.
 constexpr int kKsmmRowsMaxTokens = 16;
-// The bandwidth path keeps d sums per token of a row; it takes d a power of two up to this.
+// The rows kernel keeps d sums per token of a row; it takes d a power of two up to this.
 constexpr int kKsmmRowsMaxD = 64;
 
-// Which kernel runs a factor. kAuto picks by the heuristic in ksmm.cu (tokens, the pattern, the SM count);
-// the others force one for tests and benchmarks, and a kernel that cannot take the shape refuses it.
-enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3 };
+// Which kernel runs a factor. kAuto: gemv up to kKsmmRowsMaxTokens tokens, tensor cores past them, generic
+// for what neither takes. The others force one, for tests and benchmarks; a kernel refuses what it cannot run.
+// - kGemv: the row runs in 16-byte chunks on mma.sync (16 rows x up to 16 tokens), d in {1, 2, 4} or a
+//   multiple of 8, c*d a multiple of 8, x and W 16-byte aligned;
+// - kRows: the row runs on CUDA cores with fp32 sums per l, d a power of two up to kKsmmRowsMaxD, same
+//   alignment; kept as the CUDA-core reference of the bandwidth path;
+// - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes;
+// - kGeneric: one thread per output, anything.
+enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4 };
 
 // Whether `path` can run this shape (pointers 16-byte aligned where the fast paths need it).
 bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x,

@@ -6,7 +6,7 @@ namespace {
 
 using namespace minfer::binding;
 
-// `path`: 0 auto, 1 generic, 2 rows (bandwidth), 3 tensor cores (minfer::KsmmPath), for tests and benchmarks.
+// `path`: 0 auto, 1 generic, 2 rows, 3 tensor cores, 4 gemv (minfer::KsmmPath), for tests and benchmarks.
 void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, int64_t path) {
     const char* op = "minfer.ksmm";
     check_cuda_contiguous(x, "x");
@@ -26,17 +26,18 @@ void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, 
     MINFER_CHECK(x.device() == factor.device() && out.device() == factor.device(), op,
                  ": tensors on different devices");
     MINFER_CHECK(a <= INT32_MAX && b <= INT32_MAX && c <= INT32_MAX && d <= INT32_MAX && tokens <= INT32_MAX &&
-                     a * b <= INT32_MAX,
+                     a * b <= INT32_MAX && c * d <= INT32_MAX,
                  op, ": the pattern or the batch is too large for the kernel's int32 indices");
     MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
                  ": out must not overlap x (other blocks still read x while one writes out)");
-    MINFER_CHECK(path >= 0 && path <= 3, op, ": path must be 0 (auto), 1 (generic), 2 (rows) or 3 (tensor cores)");
+    MINFER_CHECK(path >= 0 && path <= 4, op, ": path must be 0 (auto), 1 (generic), 2 (rows), 3 (tensor cores) or 4 (gemv)");
     const auto chosen = static_cast<minfer::KsmmPath>(path);
     MINFER_CHECK(minfer::ksmm_path_supports(chosen, tokens, a, b, c, d, x.data_ptr(), factor.data_ptr(),
                                             out.data_ptr()),
                  op, ": path ", path, " cannot run the pattern ", factor.sizes(), " for ", tokens,
-                 " tokens (rows: at most ", minfer::kKsmmRowsMaxTokens, " tokens and d a power of two up to ",
-                 minfer::kKsmmRowsMaxD, "; both fast paths: c*d a multiple of 8 and 16-byte aligned tensors)");
+                 " tokens (gemv and rows: at most ", minfer::kKsmmRowsMaxTokens, " tokens; rows: d a power of two up to ",
+                 minfer::kKsmmRowsMaxD, "; the others: d 1, 2, 4 or a multiple of 8; all: c*d a multiple of 8 and ",
+                 "16-byte aligned tensors)");
     const c10::cuda::CUDAGuard guard(x.device());
     minfer::launch_ksmm(x.data_ptr(), factor.data_ptr(), out.data_ptr(), tokens, a, b, c, d, chosen,
                         dtype_of(factor), current_stream());

@@ -207,27 +207,33 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 
 
 def run_step(bench: SuiteRun) -> dict:
+    """The end-to-end rows first: they are the ones a cut-short run must keep."""
     args = bench.args
     rows: dict[str, list[dict]] = {}
-    copy_gbs, rows["grid"], rows["summary"] = run(
-        bench.dtype, args.reps, on_row=lambda row: print(f"  ksmm {row['pattern']} B={row['tokens']}: "
-                                                         f"{row['speedup']:.2f}x", flush=True))
-    bench.env["copy_gbs"] = round(copy_gbs, 1)
-    bench.save({"ksmm": rows})
     rows["e2e"] = e2e_rows(
         args.model, args.prompt_tokens, args.new_tokens, bench.dtype, embedding=args.embedding,
-        on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s", flush=True))
+        on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s, prefill "
+                                 f"{row['prefill_ms']:.1f} ms", flush=True))
+    bench.save({"ksmm": rows})
+    copy_gbs, rows["grid"], rows["summary"] = run(bench.dtype, args.reps, on_row=lambda row: print(
+        f"  ksmm {row['pattern']} B={row['tokens']} {row['path']}: {row['minfer_ms'] * 1e3:.1f} us, best torch "
+        f"{row['speedup'] * row['minfer_ms'] * 1e3:.1f} us ({row['best']}), {row['speedup']:.2f}x"
+        + (f", {row['pct_copy']:.0f}% copy" if row["pct_copy"] is not None else ""), flush=True))
+    bench.env["copy_gbs"] = round(copy_gbs, 1)
     return {"ksmm": rows}
 
 
 def report_step(bench: SuiteRun) -> None:
-    for section, rows in bench.results["ksmm"].items():
+    for section in ("grid", "summary", "e2e"):  # the summary and the end-to-end rows last, under the long grid
+        rows = bench.results["ksmm"].get(section)
+        if rows is None:
+            continue
         report.print_table(f"KS factors: {section} ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS[section],
                            rows)
 
 
 def plot_step(bench: SuiteRun, path: str) -> bool:
-    if not bench.results["ksmm"]:
+    if not bench.results["ksmm"].get("grid"):
         return False
     plot(path, bench.results["ksmm"]["grid"], f"KS factors, {bench.env.get('device')}, {bench.args.dtype}")
     return True

@@ -8,23 +8,31 @@ import torch
 from ..errors import FormatError
 from .runtime import fake_impl, use_kernels
 
-KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwidth path's batch
+KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwidth paths' batch (gemv, rows)
 KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
-KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3}
+KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4}
 KSMM_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
-    """The kernel ops.ksmm runs for this pattern and batch, given 16-byte aligned tensors (kernels/ksmm/ksmm.h,
-    ksmm_path_supports and ksmm_auto_path): the fast paths read c·d runs in 16-byte vectors; "rows" takes up
-    to KSMM_ROWS_MAX_TOKENS tokens and d a power of two up to KSMM_ROWS_MAX_D, "tensor-core" any batch and d
-    in (1, 2, 4) or a multiple of 8; "generic" anything."""
+def ksmm_kernel_takes(path: str, pattern: tuple[int, int, int, int], tokens: int) -> bool:
+    """Whether the kernel `path` runs this pattern and batch, given 16-byte aligned tensors (kernels/ksmm/ksmm.h,
+    KsmmPath): the fast paths read c·d runs in 16-byte chunks; "gemv" and "rows" take up to
+    KSMM_ROWS_MAX_TOKENS tokens, "rows" d a power of two up to KSMM_ROWS_MAX_D, "gemv" and "tensor-core" d in
+    (1, 2, 4) or a multiple of 8; "generic" (and "auto") anything."""
     _, _, c, d = pattern
     vectors = c * d % 8 == 0
-    if vectors and tokens <= KSMM_ROWS_MAX_TOKENS and d & (d - 1) == 0 and d <= KSMM_ROWS_MAX_D:
-        return "rows"
-    return "tensor-core" if vectors and (d in (1, 2, 4) or d % 8 == 0) else "generic"
+    if path == "rows":
+        return vectors and tokens <= KSMM_ROWS_MAX_TOKENS and d & (d - 1) == 0 and d <= KSMM_ROWS_MAX_D
+    if path in ("gemv", "tensor-core"):
+        return vectors and (d in (1, 2, 4) or d % 8 == 0) and (path == "tensor-core" or tokens <= KSMM_ROWS_MAX_TOKENS)
+    return True
+
+
+def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
+    """The kernel ops.ksmm runs for this pattern and batch (aligned tensors): gemv, else tensor-core, else
+    generic, the first that takes it."""
+    return next(path for path in ("gemv", "tensor-core", "generic") if ksmm_kernel_takes(path, pattern, tokens))
 
 
 def ksmm_reference(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
