@@ -121,3 +121,100 @@ def test_chain_forward_runs_the_kernel_and_graph_replays_read_new_inputs(tokens)
         assert rel_error(out, x.double() @ dense.double().T) < 4e-3
     with ops.backend("torch"):
         assert rel_error(chain(x), x.double() @ dense.double().T) < 4e-3
+
+
+# Patterns of the fused decode factors: a == 1 with b even (silu_mul takes those), a > 1, d > 8, and long rows
+# over few tiles (a cluster of blocks per tile).
+FUSED_PATTERNS = [(1, 64, 96, 4), (4, 40, 24, 1), (1, 48, 16, 16), (1, 130, 200, 1), (2, 20, 512, 2),
+                  (1, 32, 1024, 8)]
+FUSIONS = [dict(norm=True), dict(residual=True), dict(silu_mul=True), dict(norm=True, silu_mul=True),
+           dict(norm=True, residual=True)]
+
+
+def fused_problem(pattern, tokens, dtype, fusion, seed=0):
+    x, factor = problem(pattern, tokens, dtype, seed)
+    a, b, _, d = pattern
+    generator = torch.Generator().manual_seed(seed + 1)
+    norm = (torch.rand(x.shape[1], generator=generator) + 0.5).to(dtype=dtype, device="cuda") \
+        if fusion.get("norm") else None
+    outputs = a * b * d // 2 if fusion.get("silu_mul") else a * b * d
+    residual = torch.randn(tokens, outputs, generator=generator).to(dtype=dtype, device="cuda") \
+        if fusion.get("residual") else None
+    return x, factor, norm, residual
+
+
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fusion", FUSIONS, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("pattern", FUSED_PATTERNS, ids=str)
+def test_fused_gemv_matches_float64(pattern, tokens, fusion, dtype):
+    silu = fusion.get("silu_mul", False)
+    if silu and pattern[0] != 1:
+        pytest.skip("silu_mul takes a == 1 (test_fused_gemv_refusals covers it)")
+    x, factor, norm, residual = fused_problem(pattern, tokens, dtype, fusion, seed=tokens)
+    expected = ops.ksmm_gemv_reference(x.double(), factor.double(), None if norm is None else norm.double(), 1e-5,
+                                       None if residual is None else residual.double(), silu)
+    out = residual.clone() if residual is not None else None
+    got = ops.ksmm_gemv(x, factor, out, norm_weight=norm, eps=1e-5, accumulate=residual is not None, silu_mul=silu)
+    assert rel_error(got, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.racecheck
+@pytest.mark.parametrize("pattern, tokens, fusion", [((2, 20, 512, 2), 1, dict(norm=True, residual=True)),
+                                                     ((1, 32, 1024, 8), 9, dict(norm=True, silu_mul=True))], ids=str)
+def test_fused_gemv_under_the_sanitizer(pattern, tokens, fusion):
+    """The norm's cross-warp sums of squares and the cluster's reduction (4 and 8 blocks per tile)."""
+    x, factor, norm, residual = fused_problem(pattern, tokens, torch.float16, fusion)
+    silu = fusion.get("silu_mul", False)
+    expected = ops.ksmm_gemv_reference(x.double(), factor.double(), norm.double(), 1e-5,
+                                       None if residual is None else residual.double(), silu)
+    got = ops.ksmm_gemv(x, factor, residual, norm_weight=norm, eps=1e-5, accumulate=residual is not None,
+                        silu_mul=silu)
+    assert rel_error(got, expected) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.memcheck_skip
+def test_fused_gemv_refusals_and_opcheck():
+    x, factor = problem((2, 20, 24, 2), 3, torch.float16)
+    with pytest.raises(RuntimeError, match="silu_mul: a == 1"):
+        torch.ops.minfer.ksmm_gemv(x, factor, x.new_empty(3, 40), None, 0.0, False, True)
+    with pytest.raises(RuntimeError, match="norm_weight must be"):
+        torch.ops.minfer.ksmm_gemv(x, factor, x.new_empty(3, 80), x.new_ones(7), 0.0, False, False)
+    x, factor = problem((1, 64, 96, 4), 3, torch.float16)
+    norm = x.new_ones(384)
+    torch.library.opcheck(torch.ops.minfer.ksmm_gemv, (x, factor, x.new_empty(3, 256), norm, 1e-5, False, False))
+    torch.library.opcheck(torch.ops.minfer.ksmm_gemv, (x, factor, x.new_zeros(3, 256), None, 0.0, True, False))
+    torch.library.opcheck(torch.ops.minfer.ksmm_gemv, (x, factor, x.new_empty(3, 128), norm, 1e-5, False, True))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_projections_match_the_unfused_steps_and_graph_replays(tokens):
+    """KSWeight.project with the norm, the MLP activation and the residual add fused into its factors (the
+    decode path of the model), inside a CUDA graph, against the same steps as ops of their own (torch backend)."""
+    generator = torch.Generator().manual_seed(5)
+
+    def chain(shape):
+        return KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
+                                      for p in monarch_chain(shape, 0.5)])
+
+    gate_up, down = chain((2 * 176, 128)), chain((128, 176))
+    norm = (torch.rand(128, generator=generator) + 0.5).half().cuda()
+    residual = torch.randn(tokens, 128, dtype=torch.float16, device="cuda")
+    stream = residual.clone()
+
+    def mlp(stream):
+        return down.project(gate_up.project(stream, norm, 1e-5, silu_mul=True), residual=stream)
+
+    mlp(stream.clone())  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mlp(stream)
+    for _ in range(2):
+        residual.copy_(torch.randn_like(residual))
+        stream.copy_(residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        with ops.backend("torch"):
+            expected = mlp(residual.clone())
+        assert rel_error(stream, expected) < 4e-3

@@ -49,7 +49,7 @@ void launch_typed(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64
                   KsmmPath path, cudaStream_t stream) {
     switch (path) {
         case KsmmPath::kRows: return launch_rows<T>(x, w, y, tokens, a, b, c, d, stream);
-        case KsmmPath::kGemv: return launch_gemv<T>(x, w, y, tokens, a, b, c, d, stream);
+        case KsmmPath::kGemv: return launch_gemv<T>(x, w, y, tokens, a, b, c, d, ProjectionFusion{}, stream);
         case KsmmPath::kTensorCore: return launch_mma<T>(x, w, y, tokens, a, b, c, d, stream);
         default: {
             const int64_t total = tokens * a * b * d;
@@ -100,6 +100,24 @@ void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t 
     else
         launch_typed(static_cast<const half*>(x), static_cast<const half*>(w), static_cast<half*>(y), tokens, a, b,
                      c, d, path, stream);
+}
+
+bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
+                               const void* y, const ProjectionFusion& fusion) {
+    if (!ksmm_path_supports(KsmmPath::kGemv, tokens, a, b, c, d, x, w, y) || tokens < 1 || c < 1) return false;
+    if (fusion.norm_weight && !aligned16(fusion.norm_weight)) return false;
+    return !fusion.silu_mul || (a == 1 && b % 2 == 0 && !fusion.accumulate);
+}
+
+void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
+                      int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream) {
+    if (a * b * d == 0) return;
+    if (dtype == DType::kBFloat16)
+        ksmm_detail::launch_gemv(static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
+                                 static_cast<__nv_bfloat16*>(y), tokens, a, b, c, d, fusion, stream);
+    else
+        ksmm_detail::launch_gemv(static_cast<const half*>(x), static_cast<const half*>(w), static_cast<half*>(y),
+                                 tokens, a, b, c, d, fusion, stream);
 }
 
 }  // namespace minfer

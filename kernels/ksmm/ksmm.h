@@ -37,4 +37,14 @@ KsmmPath ksmm_auto_path(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t
 void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
                  KsmmPath path, DType dtype, cudaStream_t stream);
 
+// The gemv kernel with a decode projection's fusions (launch.h, ProjectionFusion): the norm weight g [a*c*d]
+// (x's layout), the residual add into y, or silu_mul for the MLP's [gate; up] chain's last factor (a == 1 and b
+// even: y [tokens][b/2 * d] = silu(rows j < b/2) * (rows j + b/2), not with accumulate).
+bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
+                               const void* y, const ProjectionFusion& fusion);
+// y [tokens][a*b*d] (silu_mul: [tokens][a*b*d/2]) = the factor applied to x with `fusion`; the shape must pass
+// ksmm_gemv_fusion_supports. y must not overlap x.
+void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
+                      int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream);
+
 }  // namespace minfer

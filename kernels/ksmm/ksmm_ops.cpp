@@ -46,14 +46,66 @@ void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, 
 
 void ksmm(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out) { ksmm_tuned(x, factor, out, 0); }
 
+// A factor of a decode projection on the gemv kernel with its fusions (ksmm.h, launch_ksmm_gemv): the norm
+// weight g [a*c*d] on the chain's first factor, accumulate (the residual add) or silu_mul on its last.
+void ksmm_gemv(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out,
+               const std::optional<at::Tensor>& norm_weight, double eps, bool accumulate, bool silu_mul) {
+    const char* op = "minfer.ksmm_gemv";
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(factor, "factor");
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(factor.dim() == 4, op, ": factor must be a 4-D (a, b, c, d) tensor, got ", factor.sizes());
+    const int64_t a = factor.size(0), b = factor.size(1), c = factor.size(2), d = factor.size(3);
+    MINFER_CHECK(x.dim() == 2 && x.size(1) == a * c * d, op, ": x must be [T, ", a * c * d, "] for the pattern ",
+                 factor.sizes(), ", got ", x.sizes());
+    const int64_t tokens = x.size(0), outputs = silu_mul ? a * b * d / 2 : a * b * d;
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens && out.size(1) == outputs, op, ": out must be [", tokens,
+                 ", ", outputs, "], got ", out.sizes());
+    MINFER_CHECK(factor.scalar_type() == at::kHalf || factor.scalar_type() == at::kBFloat16, op,
+                 ": the factor must be float16 or bfloat16, got ", factor.scalar_type());
+    MINFER_CHECK(x.scalar_type() == factor.scalar_type() && out.scalar_type() == factor.scalar_type(), op,
+                 ": x, factor and out must share one dtype");
+    MINFER_CHECK(x.device() == factor.device() && out.device() == factor.device(), op,
+                 ": tensors on different devices");
+    MINFER_CHECK(a * b <= INT32_MAX && c * d <= INT32_MAX, op,
+                 ": the pattern is too large for the kernel's int32 indices");
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
+                 ": out must not overlap x (other blocks still read x while one writes out)");
+    minfer::ProjectionFusion fusion;
+    if (norm_weight.has_value()) {
+        check_cuda_contiguous(*norm_weight, "norm_weight");
+        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == a * c * d, op, ": norm_weight must be [",
+                     a * c * d, "]");
+        MINFER_CHECK(norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(), op,
+                     ": norm_weight must have x's dtype and device");
+        MINFER_CHECK(eps >= 0.0, op, ": eps must be >= 0");
+        fusion.norm_weight = norm_weight->data_ptr();
+        fusion.eps = (float)eps;
+    }
+    fusion.accumulate = accumulate;
+    fusion.silu_mul = silu_mul;
+    MINFER_CHECK(minfer::ksmm_gemv_fusion_supports(tokens, a, b, c, d, x.data_ptr(), factor.data_ptr(),
+                                                   out.data_ptr(), fusion),
+                 op, ": the gemv kernel cannot run the pattern ", factor.sizes(), " for ", tokens, " tokens (1 to ",
+                 minfer::kKsmmRowsMaxTokens, " tokens, d 1, 2, 4 or a multiple of 8, c*d a multiple of 8, 16-byte ",
+                 "aligned tensors; silu_mul: a == 1, b even and no accumulate)");
+    const c10::cuda::CUDAGuard guard(x.device());
+    minfer::launch_ksmm_gemv(x.data_ptr(), factor.data_ptr(), out.data_ptr(), tokens, a, b, c, d, fusion,
+                             dtype_of(factor), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("ksmm(Tensor x, Tensor factor, Tensor(a!) out) -> ()");
     m.def("ksmm_tuned(Tensor x, Tensor factor, Tensor(a!) out, int path) -> ()");
+    m.def("ksmm_gemv(Tensor x, Tensor factor, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, "
+          "bool accumulate=False, bool silu_mul=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("ksmm", &ksmm);
     m.impl("ksmm_tuned", &ksmm_tuned);
+    m.impl("ksmm_gemv", &ksmm_gemv);
 }

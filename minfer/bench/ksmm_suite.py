@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from .. import ops
-from ..formats.ksmm import Pattern
+from ..errors import MinferError
+from ..formats.ksmm import KSWeight, Pattern
 from ..sparsity.factorize import monarch_chain, random_chains
 from . import e2e_suite, report
 from .suites import Suite, SuiteRun, register
@@ -45,7 +46,8 @@ KS_PRESET = "monarch-50"
 COLUMNS = {
     "grid": [report.Column(*c) for c in [
         ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("factor_mb", "factor MB", "{:.1f}"),
-        ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("dense_ms", "dense ms", "{:.4f}"),
+        ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("rows_ms", "rows ms", "{:.4f}"),
+        ("dense_ms", "dense ms", "{:.4f}"),
         ("einsum_ms", "einsum ms", "{:.4f}"), ("bmm_ms", "bmm ms", "{:.4f}"), ("best", "best torch"),
         ("speedup", "vs best", "{:.2f}x"), ("tflops", "TFLOP/s", "{:.1f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "summary": [report.Column(*c) for c in [
@@ -106,6 +108,9 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20,
            "path": ops.ksmm_path(pattern, tokens)}
     row["minfer_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
+    # the CUDA-core bandwidth kernel, the lever gemv replaces as the auto choice
+    row["rows_ms"] = (time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="rows"), copies, reps)
+                      if row["path"] == "gemv" and ops.ksmm_kernel_takes("rows", pattern, tokens) else None)
     dense_bytes = (a * b * d) * (a * c * d) * size
     if dense_bytes <= MAX_DENSE_BYTES:
         dense_copies = rotation_count(dense_bytes + x_bytes)
@@ -129,7 +134,7 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
 
 def summarize(rows: list[dict]) -> list[dict]:
     summary = []
-    for tokens in (*BATCHES, None):
+    for tokens in (*dict.fromkeys(r["tokens"] for r in rows), None):
         chosen = [r for r in rows if tokens is None or r["tokens"] == tokens]
         if not chosen:
             continue
@@ -144,12 +149,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None]) -> tuple[float, list[dict], list[dict]]:
+def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None],
+        batches: tuple[int, ...] = BATCHES) -> tuple[float, list[dict], list[dict]]:
     """(copy GB/s, one row per case, the summary per batch size and overall)."""
     copy_gbs = copy_bandwidth_gbs()
     size = torch.finfo(dtype).bits // 8
     rows = []
-    for tokens in BATCHES:
+    for tokens in batches:
         for pattern in grid_patterns():
             if case_fits(pattern, tokens, size):
                 rows.append(time_case(pattern, tokens, dtype, reps, copy_gbs))
@@ -159,20 +165,37 @@ def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None]) -> tuple[
     return copy_gbs, rows, summarize(rows)
 
 
+# The decode fusions of KSWeight.project, added one at a time (a lever: KSWeight.fused_steps).
+FUSION_LEVERS = {"unfused": frozenset(), "+residual": frozenset({"residual"}),
+                 "+norm": frozenset({"residual", "norm"}), "fused": frozenset({"residual", "norm", "silu_mul"})}
+
+
 def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.dtype,
              on_row: Callable[[dict], None], embedding: str = "host") -> list[dict]:
-    """Dense, then KS_PRESET chains on every projection (random factors), on minfer's kernels at batch 1."""
-    def prepare(projections: str) -> Callable:
-        def factorize(model) -> None:
-            if projections != "dense":
-                random_chains(model, projections)
-        return factorize
-
-    rows = []
-    for projections in ("dense", KS_PRESET):
-        stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens, embedding)
-        rows.append({"model": model_name, "format": projections, **stats})
-        on_row(rows[-1])
+    """Dense, then KS_PRESET chains on every projection (random factors) under each of FUSION_LEVERS (one
+    model), on minfer's kernels at batch 1."""
+    rows = [{"model": model_name, "format": "dense",
+             **e2e_suite.measure_format(model_name, dtype, lambda model: None, prompt_tokens, new_tokens, embedding)}]
+    on_row(rows[-1])
+    e2e_suite.release_scratch()
+    gc.collect()
+    torch.cuda.empty_cache()
+    held_before = e2e_suite.memory_held()
+    model = e2e_suite.build_model(model_name, dtype)
+    random_chains(model, KS_PRESET)
+    torch.cuda.empty_cache()
+    weight_gb = model.decode_weight_bytes() / 1e9
+    prompt = e2e_suite.random_prompt(model.config.vocab_size, prompt_tokens)
+    try:
+        for lever, steps in FUSION_LEVERS.items():
+            KSWeight.fused_steps = steps
+            stats = e2e_suite.measure_backend(model, "minfer", prompt, new_tokens, embedding, held_before)
+            rows.append({"model": model_name, "format": f"{KS_PRESET} {lever}", "weight_gb": weight_gb,
+                         "embedding": model.embedding_place(), **stats})
+            on_row(rows[-1])
+    finally:
+        KSWeight.fused_steps = FUSION_LEVERS["fused"]
+    del model
     dense = rows[0]
     for row in rows:
         row["vs_dense_decode"] = row["decode_tok_s"] / dense["decode_tok_s"]
@@ -206,6 +229,13 @@ def plot(path: str, rows: list[dict], title: str) -> None:
     plt.close(fig)
 
 
+def print_case(row: dict) -> None:
+    print(f"  ksmm {row['pattern']} B={row['tokens']} {row['path']}: {row['minfer_ms'] * 1e3:.1f} us"
+          + (f" (rows {row['rows_ms'] * 1e3:.1f} us)" if row["rows_ms"] is not None else "")
+          + f", best torch {row['speedup'] * row['minfer_ms'] * 1e3:.1f} us ({row['best']}), {row['speedup']:.2f}x"
+          + (f", {row['pct_copy']:.0f}% copy" if row["pct_copy"] is not None else ""), flush=True)
+
+
 def run_step(bench: SuiteRun) -> dict:
     """The end-to-end rows first: they are the ones a cut-short run must keep."""
     args = bench.args
@@ -215,12 +245,22 @@ def run_step(bench: SuiteRun) -> dict:
         on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s, prefill "
                                  f"{row['prefill_ms']:.1f} ms", flush=True))
     bench.save({"ksmm": rows})
-    copy_gbs, rows["grid"], rows["summary"] = run(bench.dtype, args.reps, on_row=lambda row: print(
-        f"  ksmm {row['pattern']} B={row['tokens']} {row['path']}: {row['minfer_ms'] * 1e3:.1f} us, best torch "
-        f"{row['speedup'] * row['minfer_ms'] * 1e3:.1f} us ({row['best']}), {row['speedup']:.2f}x"
-        + (f", {row['pct_copy']:.0f}% copy" if row["pct_copy"] is not None else ""), flush=True))
+    copy_gbs, rows["grid"], rows["summary"] = run(bench.dtype, args.reps, print_case, grid_batches(args))
     bench.env["copy_gbs"] = round(copy_gbs, 1)
     return {"ksmm": rows}
+
+
+def grid_batches(args) -> tuple[int, ...]:
+    """--batches as integers (default BATCHES); MinferError on a value that is not a positive integer."""
+    if args.batches is None:
+        return BATCHES
+    try:
+        batches = tuple(int(value) for value in args.batches)
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise MinferError(f"--batches takes positive whole numbers, got {','.join(args.batches)}")
+    return batches
 
 
 def report_step(bench: SuiteRun) -> None:
@@ -240,4 +280,5 @@ def plot_step(bench: SuiteRun, path: str) -> bool:
 
 
 register(Suite("ksmm", {"ksmm": dict}, run_step, report_step,
-               flags=("plot", "reps", "model", "prompt_tokens", "new_tokens", "embedding"), e2e=True, plot=plot_step))
+               flags=("plot", "reps", "model", "prompt_tokens", "new_tokens", "embedding", "batches"), e2e=True,
+               check=grid_batches, plot=plot_step))
