@@ -81,6 +81,7 @@ bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int
 
 KsmmPath ksmm_auto_path(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
                         const void* y) {
+    if (tokens == 1 && ksmm_path_supports(KsmmPath::kRows, tokens, a, b, c, d, x, w, y)) return KsmmPath::kRows;
     if (ksmm_path_supports(KsmmPath::kGemv, tokens, a, b, c, d, x, w, y)) return KsmmPath::kGemv;
     if (ksmm_path_supports(KsmmPath::kTensorCore, tokens, a, b, c, d, x, w, y)) return KsmmPath::kTensorCore;
     return KsmmPath::kGeneric;

@@ -14,12 +14,14 @@ constexpr int kKsmmRowsMaxTokens = 16;
 // The rows kernel keeps d sums per token of a row; it takes d a power of two up to this.
 constexpr int kKsmmRowsMaxD = 64;
 
-// Which kernel runs a factor. kAuto: gemv up to kKsmmRowsMaxTokens tokens, tensor cores past them, generic
-// for what neither takes. The others force one, for tests and benchmarks; a kernel refuses what it cannot run.
+// Which kernel runs a factor. kAuto: rows for one token, gemv up to kKsmmRowsMaxTokens tokens, tensor cores past
+// them, generic for what none takes (the first that takes the shape; rows beat gemv at one token on 57 of 61
+// grid patterns and gemv beat rows at 16 on all 61, docs/perf-notes.md). The others force one, for tests and
+// benchmarks; a kernel refuses what it cannot run.
 // - kGemv: the row runs in 16-byte chunks on mma.sync (16 rows x up to 16 tokens), d in {1, 2, 4} or a
 //   multiple of 8, c*d a multiple of 8, x and W 16-byte aligned;
 // - kRows: the row runs on CUDA cores with fp32 sums per l, d a power of two up to kKsmmRowsMaxD, same
-//   alignment; kept as the CUDA-core reference of the bandwidth path;
+//   alignment;
 // - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes;
 // - kGeneric: one thread per output, anything.
 enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4 };

@@ -1,5 +1,6 @@
 // The KS factor kernel "tensor-core" (ksmm_kernels.cuh): GEMM tiles per (i, group of l's) on mma.sync for
-// batches past the bandwidth path.
+// batches past the bandwidth path. Tiles of x and W are read as their contiguous (k x d) runs in 16-byte chunks
+// through registers and scattered into one shared-memory plane per l (k contiguous), so ldmatrix feeds the mma.
 #include "ksmm/ksmm.h"
 #include "ksmm/ksmm_kernels.cuh"
 
@@ -34,21 +35,15 @@ __device__ __forceinline__ void scatter_chunk(uint16_t* plane0, int plane_stride
 }
 
 // A tile of BM = 32 MF tokens by BN = 32 NF outputs j for DL l's of one i; 8 warps as 2 x 4, each
-// (16 MF) x (8 NF) per l. Shared memory: two buffers of DL planes of BM rows of x then BN rows of W, and
-// kStages raw tiles that cp.async fills kStages - 1 k-steps ahead; each thread moves the chunks it copied
-// from its raw slots into the planes (so only the planes need a barrier).
+// (16 MF) x (8 NF) per l. Shared memory: two stages of DL planes of BM rows of x then BN rows of W.
 template <int DL, int MF, int NF>
 struct MmaTile {
     static constexpr int kBm = 32 * MF, kBn = 32 * NF;
     static constexpr int kKPerChunk = 8 / DL, kChunksPerRow = kTileK / kKPerChunk;
     static constexpr int kAChunks = kBm * kChunksPerRow / kThreads, kBChunks = kBn * kChunksPerRow / kThreads;
     static constexpr int kPlane = (kBm + kBn) * kPlaneLd;  // halves
-    static constexpr int kStage = DL * kPlane;             // one buffer of DL planes, in halves
-    static constexpr size_t kPlanesBytes = 2 * kStage * sizeof(uint16_t);
-    // Tiles as loaded (16-byte chunks, (kBm + kBn) rows of kChunksPerRow), kStages of them in flight.
-    static constexpr int kStages = DL == 8 ? 2 : DL == 4 ? 3 : 4;
-    static constexpr int kRawStage = (kBm + kBn) * kChunksPerRow;  // chunks
-    static constexpr size_t kSmemBytes = kPlanesBytes + kStages * kRawStage * sizeof(uint4);
+    static constexpr int kStage = DL * kPlane;
+    static constexpr size_t kSmemBytes = 2 * kStage * sizeof(uint16_t);
     static_assert(kBm * kChunksPerRow % kThreads == 0 && kBn * kChunksPerRow % kThreads == 0, "whole chunks");
 };
 
@@ -82,34 +77,29 @@ __global__ void __launch_bounds__(kThreads) ksmm_mma_kernel(const T* __restrict_
         const int j = j0 + chunk_row(u);
         b_base[u] = j < b ? w + ((int64_t)i * b + j) * row_len + l0 : nullptr;
     }
-    // A thread's chunk u of x sits at raw slot threadIdx.x + u * kThreads, of W kBm * kChunksPerRow further.
-    uint4* raw = reinterpret_cast<uint4*>(reinterpret_cast<char*>(smem_raw) + Tile::kPlanesBytes);
-    const auto issue = [&](int kt) {
-        uint4* slots = raw + kt % Tile::kStages * Tile::kRawStage + threadIdx.x;
+    uint4 a_reg[Tile::kAChunks], b_reg[Tile::kBChunks];
+    const auto load = [&](int k0) {
 #pragma unroll
         for (int u = 0; u < Tile::kAChunks; ++u) {
-            const int k = kt * kTileK + chunk_col(u);
-            const bool valid = a_base[u] && k < c;
-            cp_async_16(smem_addr(slots + u * kThreads), valid ? a_base[u] + (int64_t)k * d : x, valid);
+            const int k = k0 + chunk_col(u);
+            a_reg[u] = a_base[u] && k < c ? __ldg(reinterpret_cast<const uint4*>(a_base[u] + (int64_t)k * d))
+                                          : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < Tile::kBChunks; ++u) {
-            const int k = kt * kTileK + chunk_col(u);
-            const bool valid = b_base[u] && k < c;
-            cp_async_16(smem_addr(slots + kBm * Tile::kChunksPerRow + u * kThreads),
-                        valid ? b_base[u] + (int64_t)k * d : w, valid);
+            const int k = k0 + chunk_col(u);
+            b_reg[u] = b_base[u] && k < c ? __ldg(reinterpret_cast<const uint4*>(b_base[u] + (int64_t)k * d))
+                                          : make_uint4(0, 0, 0, 0);
         }
     };
-    const auto transpose = [&](int kt) {
-        const uint4* slots = raw + kt % Tile::kStages * Tile::kRawStage + threadIdx.x;
-        uint16_t* planes = smem + (kt & 1) * Tile::kStage;
+    const auto store = [&](int stage) {
+        uint16_t* planes = smem + stage * Tile::kStage;
 #pragma unroll
         for (int u = 0; u < Tile::kAChunks; ++u)
-            scatter_chunk<DL>(planes, Tile::kPlane, chunk_row(u), chunk_col(u), slots[u * kThreads]);
+            scatter_chunk<DL>(planes, Tile::kPlane, chunk_row(u), chunk_col(u), a_reg[u]);
 #pragma unroll
         for (int u = 0; u < Tile::kBChunks; ++u)
-            scatter_chunk<DL>(planes, Tile::kPlane, kBm + chunk_row(u), chunk_col(u),
-                              slots[kBm * Tile::kChunksPerRow + u * kThreads]);
+            scatter_chunk<DL>(planes, Tile::kPlane, kBm + chunk_row(u), chunk_col(u), b_reg[u]);
     };
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -150,19 +140,15 @@ __global__ void __launch_bounds__(kThreads) ksmm_mma_kernel(const T* __restrict_
     };
 
     const int k_tiles = (c + kTileK - 1) / kTileK;
-#pragma unroll
-    for (int kt = 0; kt < Tile::kStages - 1; ++kt) {
-        if (kt < k_tiles) issue(kt);
-        cp_async_commit();
-    }
+    load(0);
+    store(0);
+    __syncthreads();
     for (int kt = 0; kt < k_tiles; ++kt) {
-        cp_async_wait<Tile::kStages - 2>();  // this thread's chunks of k-step kt are in
-        // planes kt & 1 were last read by compute(kt - 2), which every thread finished before the barrier of kt - 1
-        transpose(kt);
-        if (kt + Tile::kStages - 1 < k_tiles) issue(kt + Tile::kStages - 1);  // into the slots transpose(kt - 1) read
-        cp_async_commit();
-        __syncthreads();
+        const bool more = kt + 1 < k_tiles;
+        if (more) load((kt + 1) * kTileK);
         compute(kt & 1);
+        if (more) store((kt + 1) & 1);
+        __syncthreads();
     }
 
     // c0, c1: token lane / 4, outputs j, j + 1 with j = 2 (lane % 4); c2, c3: token + 8.
@@ -220,8 +206,8 @@ void launch_mma(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t
 }
 
 template void launch_mma<half>(const half*, const half*, half*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          cudaStream_t);
+                               cudaStream_t);
 template void launch_mma<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t,
-                                   int64_t, int64_t, int64_t, cudaStream_t);
+                                        int64_t, int64_t, int64_t, cudaStream_t);
 
 }  // namespace minfer::ksmm_detail

@@ -26,7 +26,7 @@ import torch
 
 from .. import ops
 from ..errors import MinferError
-from ..formats.ksmm import KSWeight, Pattern
+from ..formats.ksmm import Pattern
 from ..sparsity.factorize import monarch_chain, random_chains
 from . import e2e_suite, report
 from .suites import Suite, SuiteRun, register
@@ -108,7 +108,7 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20,
            "path": ops.ksmm_path(pattern, tokens)}
     row["minfer_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
-    # the CUDA-core bandwidth kernel, the lever gemv replaces as the auto choice
+    # the CUDA-core rows kernel where gemv is the auto choice (2..16 tokens): the evidence for that choice
     row["rows_ms"] = (time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="rows"), copies, reps)
                       if row["path"] == "gemv" and ops.ksmm_kernel_takes("rows", pattern, tokens) else None)
     dense_bytes = (a * b * d) * (a * c * d) * size
@@ -165,37 +165,20 @@ def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None],
     return copy_gbs, rows, summarize(rows)
 
 
-# The decode fusions of KSWeight.project, added one at a time (a lever: KSWeight.fused_steps).
-FUSION_LEVERS = {"unfused": frozenset(), "+residual": frozenset({"residual"}),
-                 "+norm": frozenset({"residual", "norm"}), "fused": frozenset({"residual", "norm", "silu_mul"})}
-
-
 def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.dtype,
              on_row: Callable[[dict], None], embedding: str = "host") -> list[dict]:
-    """Dense, then KS_PRESET chains on every projection (random factors) under each of FUSION_LEVERS (one
-    model), on minfer's kernels at batch 1."""
-    rows = [{"model": model_name, "format": "dense",
-             **e2e_suite.measure_format(model_name, dtype, lambda model: None, prompt_tokens, new_tokens, embedding)}]
-    on_row(rows[-1])
-    e2e_suite.release_scratch()
-    gc.collect()
-    torch.cuda.empty_cache()
-    held_before = e2e_suite.memory_held()
-    model = e2e_suite.build_model(model_name, dtype)
-    random_chains(model, KS_PRESET)
-    torch.cuda.empty_cache()
-    weight_gb = model.decode_weight_bytes() / 1e9
-    prompt = e2e_suite.random_prompt(model.config.vocab_size, prompt_tokens)
-    try:
-        for lever, steps in FUSION_LEVERS.items():
-            KSWeight.fused_steps = steps
-            stats = e2e_suite.measure_backend(model, "minfer", prompt, new_tokens, embedding, held_before)
-            rows.append({"model": model_name, "format": f"{KS_PRESET} {lever}", "weight_gb": weight_gb,
-                         "embedding": model.embedding_place(), **stats})
-            on_row(rows[-1])
-    finally:
-        KSWeight.fused_steps = FUSION_LEVERS["fused"]
-    del model
+    """Dense, then KS_PRESET chains on every projection (random factors), on minfer's kernels at batch 1."""
+    def prepare(projections: str) -> Callable:
+        def factorize(model) -> None:
+            if projections != "dense":
+                random_chains(model, projections)
+        return factorize
+
+    rows = []
+    for projections in ("dense", KS_PRESET):
+        stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens, embedding)
+        rows.append({"model": model_name, "format": projections, **stats})
+        on_row(rows[-1])
     dense = rows[0]
     for row in rows:
         row["vs_dense_decode"] = row["decode_tok_s"] / dense["decode_tok_s"]

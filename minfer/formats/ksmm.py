@@ -65,8 +65,6 @@ class KSWeight(WeightFormat):
     """A chain of KS factors, in application order (factor0 = K_L first; see the module docstring)."""
 
     name = "ksmm"
-    # The decode fusions project runs (a lever the ksmm suite's end-to-end rows switch).
-    fused_steps = frozenset({"norm", "silu_mul", "residual"})
 
     def __init__(self, factors: Sequence[torch.Tensor]):
         factors = list(factors)
@@ -161,26 +159,28 @@ class KSWeight(WeightFormat):
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        """Decode (1..KSMM_ROWS_MAX_TOKENS tokens) runs the norm inside the first factor's gemv kernel and the
-        MLP activation or the residual add inside the last one's (ops.ksmm_gemv), so a projection is as many
-        kernels as factors; a step a factor's kernel cannot fuse runs as its own op."""
+        """Where ops.ksmm runs the gemv kernel (2..KSMM_ROWS_MAX_TOKENS tokens; one token goes to the faster rows
+        kernel, unfused), the norm runs inside the first factor's kernel and the MLP activation or the residual add
+        inside the last one's (ops.ksmm_gemv); a step a factor's kernel cannot fuse runs as its own op."""
         tokens = x.numel() // max(self.in_features, 1)
         if not (ops.use_kernels(x) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES
                 and 1 <= tokens <= ops.KSMM_ROWS_MAX_TOKENS and not (silu_mul and residual is not None)):
             return super().project(x, norm_weight, eps, residual, silu_mul)
         factors = self.factors
+        first, last = tuple(factors[0].shape), tuple(factors[-1].shape)
+
+        def gemv_fuses(pattern: Pattern, silu: bool = False) -> bool:
+            return ops.ksmm_path(pattern, tokens) == "gemv" and ops.ksmm_gemv_fuses(pattern, tokens, silu)
+
+        fuse_norm = norm_weight is not None and gemv_fuses(first)
+        fuse_silu = silu_mul and gemv_fuses(last, silu=True)
+        fuse_residual = residual is not None and residual.is_contiguous() and gemv_fuses(last)
         flat = x.reshape(tokens, self.in_features).contiguous()
-        fuse_norm = norm_weight is not None and "norm" in self.fused_steps and ops.ksmm_gemv_fuses(tuple(factors[0].shape), tokens)
         if norm_weight is not None and not fuse_norm:
             flat = ops.rms_norm(flat, norm_weight, eps)
-        last = tuple(factors[-1].shape)
-        fuse_silu = silu_mul and "silu_mul" in self.fused_steps and ops.ksmm_gemv_fuses(last, tokens, silu_mul=True)
-        fuse_residual = (residual is not None and "residual" in self.fused_steps and residual.is_contiguous()
-                         and ops.ksmm_gemv_fuses(last, tokens))
         for index, factor in enumerate(factors):
-            first, final = index == 0, index == len(factors) - 1
-            norm = norm_weight if first and fuse_norm else None
-            if final and (fuse_silu or fuse_residual):
+            norm = norm_weight if index == 0 and fuse_norm else None
+            if index == len(factors) - 1 and (fuse_silu or fuse_residual):
                 out = residual.view(tokens, self.out_features) if fuse_residual else None
                 flat = ops.ksmm_gemv(flat, factor, out, norm_weight=norm, eps=eps, accumulate=fuse_residual,
                                      silu_mul=fuse_silu)

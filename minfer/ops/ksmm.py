@@ -31,9 +31,10 @@ def ksmm_kernel_takes(path: str, pattern: tuple[int, int, int, int], tokens: int
 
 
 def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
-    """The kernel ops.ksmm runs for this pattern and batch (aligned tensors): gemv, else tensor-core, else
-    generic, the first that takes it."""
-    return next(path for path in ("gemv", "tensor-core", "generic") if ksmm_kernel_takes(path, pattern, tokens))
+    """The kernel ops.ksmm runs for this pattern and batch (aligned tensors; kernels/ksmm/ksmm.h, KsmmPath):
+    the first that takes it of rows (one token only), gemv, tensor-core and generic."""
+    order = ("rows", "gemv", "tensor-core", "generic") if tokens == 1 else ("gemv", "tensor-core", "generic")
+    return next(path for path in order if ksmm_kernel_takes(path, pattern, tokens))
 
 
 def _factor_product(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -130,8 +131,8 @@ def ksmm_gemv(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = 
 
 def ksmm(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, a·b·d] = x [T, a·c·d] times the factor's matrix transposed (ksmm_reference): on a GPU
-    under the minfer backend one kernel for fp16/bf16, the bandwidth path up to KSMM_ROWS_MAX_TOKENS tokens
-    and the tensor cores past them (kernels/ksmm/ksmm.h); the reference otherwise."""
+    under the minfer backend one kernel for fp16/bf16 (ksmm_path: a bandwidth path up to KSMM_ROWS_MAX_TOKENS
+    tokens, the tensor cores past them); the reference otherwise."""
     return _ksmm(x, factor, out, None)
 
 
