@@ -99,15 +99,17 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
     bool waited = false;
     for (int first = split * warps + warp; first < steps; first += cluster_warps * kSteps) {
         uint4 wl[kSteps][kGemvChunks], wh[kSteps][kGemvChunks], xl[kSteps][kGemvChunks], xh[NT == 2 ? kSteps : 1][kGemvChunks];
+        bool valid[kSteps][kGemvChunks];  // the chunk lies on the row (else chunk 0 is loaded and dropped)
+        int at[kSteps][kGemvChunks];      // its offset along the row (c*d fits int32: the binding checks)
 #pragma unroll
         for (int s = 0; s < kSteps; ++s)
 #pragma unroll
             for (int q = 0; q < kGemvChunks; ++q) {
                 const int step = first + s * cluster_warps, u = step * 16 + q * 4 + t;
-                const bool valid = step < steps && u < units;
-                const int64_t at = valid ? offset(u) : 0;
-                wl[s][q] = keep(valid && lo_ok, load_stream_16B(w_lo + at));
-                wh[s][q] = keep(valid && hi_ok, load_stream_16B(w_hi + at));
+                valid[s][q] = step < steps && u < units;
+                at[s][q] = valid[s][q] ? (int)offset(u) : 0;
+                wl[s][q] = keep(valid[s][q] && lo_ok, load_stream_16B(w_lo + at[s][q]));
+                wh[s][q] = keep(valid[s][q] && hi_ok, load_stream_16B(w_hi + at[s][q]));
             }
         if (!waited) {
             wait_for_previous_kernel();  // x may come from it: coherent loads from here on
@@ -117,13 +119,10 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
         for (int s = 0; s < kSteps; ++s)
 #pragma unroll
             for (int q = 0; q < kGemvChunks; ++q) {
-                const int step = first + s * cluster_warps, u = step * 16 + q * 4 + t;
-                const bool valid = step < steps && u < units;
-                const int64_t at = valid ? offset(u) : 0;
-                xl[s][q] = keep(valid && x_lo_ok, load_coherent_16B(x_lo + at));
-                if constexpr (NT == 2) xh[s][q] = keep(valid && x_hi_ok, load_coherent_16B(x_hi + at));
+                xl[s][q] = keep(valid[s][q] && x_lo_ok, load_coherent_16B(x_lo + at[s][q]));
+                if constexpr (NT == 2) xh[s][q] = keep(valid[s][q] && x_hi_ok, load_coherent_16B(x_hi + at[s][q]));
                 if (norm_weight) {
-                    const uint4 gv = load_stream_16B(g_row + at);
+                    const uint4 gv = load_stream_16B(g_row + at[s][q]);
                     xl[s][q] = scale_chunk<T>(xl[s][q], gv);
                     if constexpr (NT == 2) xh[s][q] = scale_chunk<T>(xh[s][q], gv);
                 }
