@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kGemvMaxWarps * 32) ksmm_gemv_kernel(const T* 
     float acc[DL][NT][4] = {};
     bool waited = false;
     for (int first = split * warps + warp; first < steps; first += cluster_warps * kSteps) {
-        uint4 wl[kSteps][kGemvChunks], wh[kSteps][kGemvChunks], xl[kSteps][kGemvChunks], xh[NT == 2 ? kSteps : 1][kGemvChunks];
+        uint4 wl[kSteps][kGemvChunks], wh[kSteps][kGemvChunks], xl[kSteps][kGemvChunks];
+        uint4 xh[NT == 2 ? kSteps : 1][kGemvChunks];
         bool valid[kSteps][kGemvChunks];  // the chunk lies on the row (else chunk 0 is loaded and dropped)
         int at[kSteps][kGemvChunks];      // its offset along the row (c*d fits int32: the binding checks)
 #pragma unroll

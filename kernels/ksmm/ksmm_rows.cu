@@ -131,7 +131,8 @@ void launch_rows_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, in
 }  // namespace
 
 template <typename T>
-void launch_rows(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, cudaStream_t stream) {
+void launch_rows(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
+                 cudaStream_t stream) {
     if (tokens <= 1) return launch_rows_for<T, 1>(x, w, y, tokens, a, b, c, d, stream);
     if (tokens <= 2) return launch_rows_for<T, 2>(x, w, y, tokens, a, b, c, d, stream);
     if (tokens <= 4) return launch_rows_for<T, 4>(x, w, y, tokens, a, b, c, d, stream);
