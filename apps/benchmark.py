@@ -59,7 +59,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULTS = {"reps": 20, "model": "llama2-7b", "prompt_tokens": 512, "new_tokens": 256, "embedding": "host"}
 # The flags some suites take (each suite's Suite.flags says which), in the order they are checked.
 SUITE_FLAGS = ("ops", "shapes", "densities", "plot", "lengths", "phases", "context", "attention", "layout", "reps",
-               "model", "prompt_tokens", "new_tokens", "embedding", "tp")
+               "model", "prompt_tokens", "new_tokens", "embedding", "tp", "batches")
 
 
 def suite_help() -> str:
@@ -112,6 +112,8 @@ def build_parser() -> ArgumentParser:
                              "minfer's kernels (default dense: minfer against the plain-torch backend)")
     parser.add_argument("--layout", default=None, metavar="NAME[:k=v,...]",
                         help=f"e2e with --attention blocksparse: the layout ({LAYOUT_HELP})")
+    parser.add_argument("--batches", type=csv_list, default=None, metavar="B,...",
+                        help="ksmm: the grid's batch sizes (default: 1,16,512,4096)")
     parser.add_argument("--json", metavar="PATH", help="write the environment and every row as JSON")
     parser.add_argument("--plot", metavar="PATH",
                         help="write a PNG of speedups and bandwidth (kernels, e2e and macko-e2e suites)")

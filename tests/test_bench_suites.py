@@ -68,9 +68,9 @@ def attention_stand_ins():
 
 
 def ksmm_stand_ins():
-    grid = [{"pattern": "(1,64,64,1)", "tokens": tokens, "speedup": 1.5, "factor_mb": 8.0, "pct_copy": 80.0}
-            for tokens in ksmm_suite.BATCHES]
-    e2e = [{"format": fmt, "decode_tok_s": 100.0} for fmt in ("dense", ksmm_suite.KS_PRESET)]
+    grid = [{"pattern": "(1,64,64,1)", "tokens": tokens, "speedup": 1.5, "factor_mb": 8.0, "pct_copy": 80.0,
+             "path": "gemv", "minfer_ms": 0.01, "rows_ms": 0.02, "best": "bmm"} for tokens in ksmm_suite.BATCHES]
+    e2e = [{"format": fmt, "decode_tok_s": 100.0, "prefill_ms": 10.0} for fmt in ("dense", ksmm_suite.KS_PRESET)]
     return {ksmm_suite: {"run": stand_in((COPY_GBS, grid, [{"tokens": 1}]), *((row,) for row in grid)),
                          "e2e_rows": stand_in(e2e, *((row,) for row in e2e))}}
 

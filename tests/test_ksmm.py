@@ -195,3 +195,43 @@ def test_generate_with_ks_chains(generate_app, capsys):
 def test_bad_ks_flags_exit_2_in_one_line(generate_app, capsys, args, fragments):
     assert_input_error(in_process(generate_app, ["--device", "cpu", "--max-new-tokens", "2", *args], capsys),
                        *fragments)
+
+
+FUSIONS = [dict(norm=True), dict(residual=True), dict(silu_mul=True), dict(norm=True, silu_mul=True)]
+
+
+@pytest.mark.parametrize("fusion", FUSIONS, ids=str)
+@pytest.mark.parametrize("pattern", [(1, 6, 5, 2), (3, 4, 2, 1), (1, 8, 3, 3)], ids=str)
+def test_fused_factor_reference_is_the_fused_dense_reference(pattern, fusion):
+    """ops.ksmm_gemv_reference on one factor computes what ops.linear_reference does on its dense matrix, and
+    ops.ksmm_gemv on the CPU is that reference."""
+    from minfer import ops
+
+    generator = torch.Generator().manual_seed(1)
+    factor = torch.randn(pattern, generator=generator, dtype=torch.float64)
+    dense = KSWeight.from_factors([factor]).to_dense()
+    x = torch.randn(3, dense.shape[1], generator=generator, dtype=torch.float64)
+    norm = torch.rand(dense.shape[1], generator=generator, dtype=torch.float64) + 0.5 if fusion.get("norm") else None
+    residual = torch.randn(3, dense.shape[0], generator=generator, dtype=torch.float64) \
+        if fusion.get("residual") else None
+    silu = fusion.get("silu_mul", False)
+    got = ops.ksmm_gemv_reference(x, factor, norm, 1e-5, residual, silu)
+    assert rel_error(got, ops.linear_reference(x, dense, norm, 1e-5, residual, silu)) < 1e-6  # that one is fp32
+    assert rel_error(ops.ksmm_gemv(x, factor, None if residual is None else residual.clone(), norm_weight=norm,
+                                   eps=1e-5, accumulate=residual is not None, silu_mul=silu), got) < 1e-12
+
+
+def test_fused_factor_refusals():
+    from minfer import ops
+
+    x, factor = torch.randn(2, 10), torch.randn(1, 3, 5, 2)
+    with pytest.raises(FormatError, match="adds into `out`"):
+        ops.ksmm_gemv(x, factor, accumulate=True)
+    with pytest.raises(FormatError, match="an even a·b·d"):
+        ops.ksmm_gemv(torch.randn(2, 5), torch.randn(1, 3, 5, 1), silu_mul=True)
+    with pytest.raises(FormatError, match="out must be"):
+        ops.ksmm_gemv(x, factor, torch.empty(2, 5))
+    assert ops.ksmm_gemv_fuses((1, 64, 96, 4), 1, silu_mul=True)
+    assert not ops.ksmm_gemv_fuses((2, 64, 96, 4), 1, silu_mul=True)  # the halves are not j < b/2 of one i
+    assert not ops.ksmm_gemv_fuses((1, 64, 96, 4), 17)
+    assert not ops.ksmm_gemv_fuses((1, 8, 5, 3), 1)

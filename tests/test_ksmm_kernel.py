@@ -12,21 +12,12 @@ from tests.numerics import rel_error
 
 pytestmark = [requires_cuda, pytest.mark.memcheck]  # memcheck: see scripts/device_check.sh
 
-# (a, b, c, d): d = 1, 2, 4, 8, 16, 64 and odd ones, a > 1, b != c, c not a multiple of the 32-wide k tile.
+# (a, b, c, d): d = 1, 2, 4, 8, 16, 64 and odd ones, a > 1, b != c, c not a multiple of the 32-wide k tile,
+# and long rows over few tiles (gemv then splits a tile over a cluster of blocks).
 PATTERNS = [(1, 64, 96, 4), (4, 40, 24, 1), (2, 24, 40, 2), (1, 48, 16, 16), (3, 20, 8, 8), (5, 7, 13, 8),
-            (1, 17, 24, 64), (1, 130, 200, 1), (2, 10, 29, 3), (3, 9, 7, 1)]
+            (1, 17, 24, 64), (1, 130, 200, 1), (2, 10, 29, 3), (3, 9, 7, 1), (1, 32, 1024, 8), (2, 20, 512, 2)]
 BATCHES = [1, 3, 17, 300]
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def runs_on(path: str, pattern, tokens: int) -> bool:
-    """Whether the kernel `path` takes this shape (aligned tensors). The tensor cores take any batch, so they
-    take a pattern when auto picks them past the bandwidth path's batch."""
-    if path == "rows":
-        return ops.ksmm_path(pattern, tokens) == "rows"
-    if path == "tensor-core":
-        return ops.ksmm_path(pattern, ops.KSMM_ROWS_MAX_TOKENS + 1) == "tensor-core"
-    return True
 
 
 def problem(pattern, tokens, dtype, seed=0):
@@ -43,11 +34,11 @@ def expected64(x, factor):
 
 @pytest.mark.memcheck_skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("path", ["auto", "generic", "rows", "tensor-core"])
+@pytest.mark.parametrize("path", list(ops.KSMM_PATHS))
 @pytest.mark.parametrize("tokens", BATCHES)
 @pytest.mark.parametrize("pattern", PATTERNS, ids=str)
 def test_every_path_matches_float64(pattern, tokens, path, dtype):
-    if not runs_on(path, pattern, tokens):
+    if not ops.ksmm_kernel_takes(path, pattern, tokens):
         pytest.skip(f"the {path} kernel does not take {pattern} for {tokens} tokens (test_refusals covers it)")
     x, factor = problem(pattern, tokens, dtype, seed=tokens)
     a, b, _, d = pattern
@@ -56,19 +47,26 @@ def test_every_path_matches_float64(pattern, tokens, path, dtype):
     assert rel_error(out, expected64(x, factor)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("pattern, tokens", [((1, 64, 96, 4), 1), ((1, 48, 16, 64), 5), ((2, 24, 40, 2), 40),
-                                             ((1, 48, 16, 16), 33), ((2, 10, 29, 3), 2)], ids=str)
-def test_small_cases_under_the_sanitizer(pattern, tokens):
-    """Every kernel (rows with one warp and with a block per row, the tensor-core tiles, generic) once."""
+@pytest.mark.parametrize("pattern, tokens, path", [
+    ((1, 64, 96, 4), 1, "auto"), ((1, 48, 16, 64), 5, "auto"), ((3, 20, 8, 8), 12, "auto"),
+    ((2, 24, 40, 2), 40, "auto"), ((1, 48, 16, 16), 33, "auto"), ((2, 10, 29, 3), 2, "auto"),
+    ((1, 48, 16, 64), 5, "rows"), ((1, 64, 96, 4), 3, "rows"), ((1, 32, 1024, 8), 1, "gemv"),
+], ids=str)
+def test_small_cases_under_the_sanitizer(pattern, tokens, path):
+    """Every kernel once: gemv (1 and 2 token tiles, d <= 8 and d > 8, a tile over a cluster of 8 blocks), the
+    tensor-core tiles, generic, rows (auto at one token)."""
     x, factor = problem(pattern, tokens, torch.float16)
-    assert rel_error(ops.ksmm(x, factor), expected64(x, factor)) < TOLERANCE[torch.float16]
+    out = ops.ksmm_tuned(x, factor, path=path)
+    assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.float16]
 
 
 @pytest.mark.racecheck
-@pytest.mark.parametrize("pattern, tokens, path", [((1, 16, 1024, 8), 3, "rows"), ((2, 40, 72, 4), 70, "tensor-core"),
-                                                   ((1, 40, 72, 1), 70, "tensor-core")], ids=str)
+@pytest.mark.parametrize("pattern, tokens, path", [
+    ((1, 16, 1024, 8), 3, "rows"), ((1, 40, 512, 4), 12, "gemv"), ((2, 40, 72, 4), 70, "tensor-core"),
+    ((1, 40, 72, 1), 70, "tensor-core"),
+], ids=str)
 def test_shared_memory_kernels(pattern, tokens, path):
-    """Racecheck cases: the rows kernel's cross-warp sums (a block per row) and the tensor-core stages."""
+    """Racecheck cases: the cross-warp sums of rows (a block per row) and gemv (8 warps), the tensor-core stages."""
     x, factor = problem(pattern, tokens, torch.bfloat16)
     out = ops.ksmm_tuned(x, factor, path=path)
     assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.bfloat16]
@@ -77,8 +75,9 @@ def test_shared_memory_kernels(pattern, tokens, path):
 @pytest.mark.memcheck_skip
 def test_refusals():
     x, factor = problem((1, 8, 8, 2), 17, torch.float16)
-    with pytest.raises(RuntimeError, match="path 2 cannot run the pattern"):
-        ops.ksmm_tuned(x, factor, path="rows")
+    for path, number in (("rows", 2), ("gemv", 4)):
+        with pytest.raises(RuntimeError, match=f"path {number} cannot run the pattern"):
+            ops.ksmm_tuned(x, factor, path=path)
     x, factor = problem((2, 10, 29, 3), 4, torch.float16)
     with pytest.raises(RuntimeError, match="path 3 cannot run the pattern"):
         ops.ksmm_tuned(x, factor, path="tensor-core")
@@ -87,9 +86,9 @@ def test_refusals():
     x, factor = problem((1, 8, 16, 4), 4, torch.float16)
     misaligned = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
     assert rel_error(ops.ksmm(misaligned, factor), expected64(x, factor)) < TOLERANCE[torch.float16]  # generic
-    assert ops.ksmm_tuned(x, factor, path="rows").shape == (4, 32)
-    with pytest.raises(RuntimeError, match="path 2 cannot run"):
-        ops.ksmm_tuned(misaligned, factor, path="rows")
+    assert ops.ksmm_tuned(x, factor, path="gemv").shape == (4, 32)
+    with pytest.raises(RuntimeError, match="path 4 cannot run"):
+        ops.ksmm_tuned(misaligned, factor, path="gemv")
 
 
 @pytest.mark.memcheck_skip
@@ -97,7 +96,7 @@ def test_opcheck():
     x, factor = problem((1, 64, 96, 4), 3, torch.float16)
     out = x.new_empty(3, 256)
     torch.library.opcheck(torch.ops.minfer.ksmm, (x, factor, out))
-    for path in (0, 1, 2, 3):
+    for path in ops.KSMM_PATHS.values():
         torch.library.opcheck(torch.ops.minfer.ksmm_tuned, (x, factor, out, path))
 
 
@@ -123,3 +122,100 @@ def test_chain_forward_runs_the_kernel_and_graph_replays_read_new_inputs(tokens)
         assert rel_error(out, x.double() @ dense.double().T) < 4e-3
     with ops.backend("torch"):
         assert rel_error(chain(x), x.double() @ dense.double().T) < 4e-3
+
+
+# Patterns of the fused decode factors: a == 1 with b even (silu_mul takes those), a > 1, d > 8, and long rows
+# over few tiles (a cluster of blocks per tile).
+FUSED_PATTERNS = [(1, 64, 96, 4), (4, 40, 24, 1), (1, 48, 16, 16), (1, 130, 200, 1), (2, 20, 512, 2),
+                  (1, 32, 1024, 8)]
+FUSIONS = [dict(norm=True), dict(residual=True), dict(silu_mul=True), dict(norm=True, silu_mul=True),
+           dict(norm=True, residual=True)]
+
+
+def fused_problem(pattern, tokens, dtype, fusion, seed=0):
+    x, factor = problem(pattern, tokens, dtype, seed)
+    a, b, _, d = pattern
+    generator = torch.Generator().manual_seed(seed + 1)
+    norm = (torch.rand(x.shape[1], generator=generator) + 0.5).to(dtype=dtype, device="cuda") \
+        if fusion.get("norm") else None
+    outputs = a * b * d // 2 if fusion.get("silu_mul") else a * b * d
+    residual = torch.randn(tokens, outputs, generator=generator).to(dtype=dtype, device="cuda") \
+        if fusion.get("residual") else None
+    return x, factor, norm, residual
+
+
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fusion", FUSIONS, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("pattern", FUSED_PATTERNS, ids=str)
+def test_fused_gemv_matches_float64(pattern, tokens, fusion, dtype):
+    silu = fusion.get("silu_mul", False)
+    if silu and pattern[0] != 1:
+        pytest.skip("silu_mul takes a == 1 (test_fused_gemv_refusals covers it)")
+    x, factor, norm, residual = fused_problem(pattern, tokens, dtype, fusion, seed=tokens)
+    expected = ops.ksmm_gemv_reference(x.double(), factor.double(), None if norm is None else norm.double(), 1e-5,
+                                       None if residual is None else residual.double(), silu)
+    out = residual.clone() if residual is not None else None
+    got = ops.ksmm_gemv(x, factor, out, norm_weight=norm, eps=1e-5, accumulate=residual is not None, silu_mul=silu)
+    assert rel_error(got, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.racecheck
+@pytest.mark.parametrize("pattern, tokens, fusion", [((2, 20, 512, 2), 1, dict(norm=True, residual=True)),
+                                                     ((1, 32, 1024, 8), 9, dict(norm=True, silu_mul=True))], ids=str)
+def test_fused_gemv_under_the_sanitizer(pattern, tokens, fusion):
+    """The norm's cross-warp sums of squares and the cluster's reduction (4 and 8 blocks per tile)."""
+    x, factor, norm, residual = fused_problem(pattern, tokens, torch.float16, fusion)
+    silu = fusion.get("silu_mul", False)
+    expected = ops.ksmm_gemv_reference(x.double(), factor.double(), norm.double(), 1e-5,
+                                       None if residual is None else residual.double(), silu)
+    got = ops.ksmm_gemv(x, factor, residual, norm_weight=norm, eps=1e-5, accumulate=residual is not None,
+                        silu_mul=silu)
+    assert rel_error(got, expected) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.memcheck_skip
+def test_fused_gemv_refusals_and_opcheck():
+    x, factor = problem((2, 20, 24, 2), 3, torch.float16)
+    with pytest.raises(RuntimeError, match="silu_mul: a == 1"):
+        torch.ops.minfer.ksmm_gemv(x, factor, x.new_empty(3, 40), None, 0.0, False, True)
+    with pytest.raises(RuntimeError, match="norm_weight must be"):
+        torch.ops.minfer.ksmm_gemv(x, factor, x.new_empty(3, 80), x.new_ones(7), 0.0, False, False)
+    x, factor = problem((1, 64, 96, 4), 3, torch.float16)
+    norm = x.new_ones(384)
+    torch.library.opcheck(torch.ops.minfer.ksmm_gemv, (x, factor, x.new_empty(3, 256), norm, 1e-5, False, False))
+    torch.library.opcheck(torch.ops.minfer.ksmm_gemv, (x, factor, x.new_zeros(3, 256), None, 0.0, True, False))
+    torch.library.opcheck(torch.ops.minfer.ksmm_gemv, (x, factor, x.new_empty(3, 128), norm, 1e-5, False, True))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_projections_match_the_unfused_steps_and_graph_replays(tokens):
+    """KSWeight.project with the norm, the MLP activation and the residual add fused into its factors (the
+    decode path of the model), inside a CUDA graph, against the same steps as ops of their own (torch backend)."""
+    generator = torch.Generator().manual_seed(5)
+
+    def chain(shape):
+        return KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
+                                      for p in monarch_chain(shape, 0.5)])
+
+    gate_up, down = chain((2 * 176, 128)), chain((128, 176))
+    norm = (torch.rand(128, generator=generator) + 0.5).half().cuda()
+    residual = torch.randn(tokens, 128, dtype=torch.float16, device="cuda")
+    stream = residual.clone()
+
+    def mlp(stream):
+        return down.project(gate_up.project(stream, norm, 1e-5, silu_mul=True), residual=stream)
+
+    mlp(stream.clone())  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mlp(stream)
+    for _ in range(2):
+        residual.copy_(torch.randn_like(residual))
+        stream.copy_(residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        with ops.backend("torch"):
+            expected = mlp(residual.clone())
+        assert rel_error(stream, expected) < 4e-3

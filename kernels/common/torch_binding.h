@@ -77,4 +77,23 @@ inline void check_cuda_contiguous(const at::Tensor& t, const char* name) {
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream(); }
 
+// The fusions of a decode projection (launch.h) from the optional norm weight and the accumulate flag.
+inline ProjectionFusion projection_fusion(const std::optional<at::Tensor>& norm_weight, double eps, bool accumulate,
+                                          const at::Tensor& x, const at::Tensor& out, int64_t k, const char* op) {
+    ProjectionFusion fusion;
+    if (norm_weight.has_value()) {
+        check_cuda_contiguous(*norm_weight, "norm_weight");
+        MINFER_CHECK(norm_weight->dim() == 1 && norm_weight->size(0) == k, op, ": norm_weight must be [", k, "]");
+        MINFER_CHECK(norm_weight->scalar_type() == x.scalar_type() && norm_weight->device() == x.device(), op,
+                     ": norm_weight must have x's dtype and device");
+        MINFER_CHECK(eps >= 0.0, op, ": eps must be >= 0");
+        fusion.norm_weight = norm_weight->data_ptr();
+        fusion.eps = (float)eps;
+    }
+    fusion.accumulate = accumulate;
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
+                 ": out must not overlap x (other blocks still read x while one writes out)");
+    return fusion;
+}
+
 }  // namespace minfer::binding

@@ -1,37 +1,13 @@
-// KS factor products (ksmm.h): three kernels behind one launcher.
-// - rows (1-16 tokens): a group of threads per output row (i, j) streams W[i][j][:][:] (c*d contiguous
-//   values) once in 16-byte vectors against x[n][i][:][:] (contiguous too). Element p of the run belongs to
-//   l = p mod d; with d a power of two dividing 8 * group, a thread always meets the same l's, so it keeps 8
-//   fp32 sums per token and the group reduces them by shuffles (and shared memory past one warp).
-// - tensor cores (more tokens): per (i, group of DL l's) a GEMM tile Y[n0.., i, j0.., l] over k, mma.sync
-//   m16n8k16. Tiles of x and W are read as their contiguous (k x d) runs in 16-byte chunks and scattered
-//   into one shared-memory plane per l (k contiguous), so ldmatrix feeds the mma; no permutation copy.
-// - generic: one thread per output, any pattern and alignment (odd d or c*d, the contract's samples).
+// KS factor products (ksmm.h): the generic kernel (one thread per output, any pattern and alignment: odd d
+// or c*d, the contract's samples) and the choice between it and the fast kernels of ksmm_kernels.cuh.
 #include <algorithm>
 
-#include "common/device_utils.cuh"
 #include "ksmm/ksmm.h"
+#include "ksmm/ksmm_kernels.cuh"
 
 namespace minfer {
 
-namespace {
-
-constexpr int kThreads = 256;
-constexpr int kRowsUnroll = 4;  // 16-byte weight vectors per thread in flight
-
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const float2 pair = pair_to_float2<T>(words[q]);
-        f[2 * q] = pair.x;
-        f[2 * q + 1] = pair.y;
-    }
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+namespace ksmm_detail {
 
 int sm_count() {
     int device = 0, sms = 0;
@@ -40,317 +16,14 @@ int sm_count() {
     return std::max(sms, 1);
 }
 
-// ---------------------------------------------------------------------------------------------------------
-// rows: the bandwidth path
-// ---------------------------------------------------------------------------------------------------------
+}  // namespace ksmm_detail
 
-template <typename T, int TOKENS>
-__global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                                            T* __restrict__ y, int tokens, int a, int b, int c,
-                                                            int d, int group) {
-    __shared__ float partial[kThreads / 32][TOKENS][kKsmmRowsMaxD];
-    const int64_t row_len = (int64_t)c * d, rows = (int64_t)a * b;
-    const int vectors = (int)(row_len / 8);
-    const int t = threadIdx.x % group;
-    const int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
-    float acc[TOKENS][8] = {};
-    if (row < rows) {
-        const uint4* w_row = reinterpret_cast<const uint4*>(w + row * row_len);
-        const uint4* x_row = reinterpret_cast<const uint4*>(x + row / b * row_len);
-        const int64_t token_stride = (int64_t)a * vectors;  // in vectors
-        for (int first = t; first < vectors; first += kRowsUnroll * group) {
-            uint4 wv[kRowsUnroll];
-#pragma unroll
-            for (int u = 0; u < kRowsUnroll; ++u) {
-                const int v = first + u * group;
-                wv[u] = v < vectors ? load_stream_16B(w_row + v) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < kRowsUnroll; ++u) {
-                const int v = first + u * group;
-                if (v < vectors) {
-                    float wf[8];
-                    unpack8<T>(wv[u], wf);
-#pragma unroll
-                    for (int n = 0; n < TOKENS; ++n) {
-                        if (TOKENS == 1 || n < tokens) {
-                            float xf[8];
-                            unpack8<T>(__ldg(x_row + n * token_stride + v), xf);
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) acc[n][e] = fmaf(wf[e], xf[e], acc[n][e]);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    // Element e of a thread's vectors is l = (8 t + e) mod d: fold e onto e mod d when d < 8.
-#pragma unroll
-    for (int n = 0; n < TOKENS; ++n) {
-#pragma unroll
-        for (int half = 4; half >= 1; half >>= 1)
-            if (d <= half)
-#pragma unroll
-                for (int e = 0; e < half; ++e) acc[n][e] += acc[n][e + half];
-    }
-    const int slots = d < 8 ? d : 8;
-    const int owners = d < 8 ? 1 : d / 8;  // threads t and t' hold the same l's when t = t' mod owners
-    const int width = group < 32 ? group : 32;
-    for (int offset = width / 2; offset >= owners; offset >>= 1)
-#pragma unroll
-        for (int n = 0; n < TOKENS; ++n)
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                if (e < slots) acc[n][e] += __shfl_xor_sync(0xffffffffu, acc[n][e], offset);
-    const int64_t out_stride = rows * d;  // y's token stride
-    if (group <= 32) {
-        if (row < rows && t < owners)
-#pragma unroll
-            for (int n = 0; n < TOKENS; ++n)
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    if (e < slots && (TOKENS == 1 || n < tokens))
-                        y[n * out_stride + row * d + 8 * t + e] = from_float<T>(acc[n][e]);
-        return;
-    }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane < owners)
-#pragma unroll
-        for (int n = 0; n < TOKENS; ++n)
-#pragma unroll
-            for (int e = 0; e < 8; ++e)
-                if (e < slots) partial[warp][n][8 * lane + e] = acc[n][e];
-    __syncthreads();
-    const int first_warp = threadIdx.x / group * (group / 32);
-    if (row < rows)
-        for (int o = t; o < tokens * d; o += group) {
-            const int n = o / d, l = o % d;
-            float sum = 0.f;
-            for (int k = 0; k < group / 32; ++k) sum += partial[first_warp + k][n][l];  // fixed order
-            y[n * out_stride + row * d + l] = from_float<T>(sum);
-        }
-}
+namespace {
 
-// Threads per row: about one round of kRowsUnroll vectors each, at least enough to give every l an owner.
-int rows_group(int64_t c, int64_t d) {
-    const int64_t vectors = c * d / 8, owners = d < 8 ? 1 : d / 8;
-    int group = 8;
-    while (group < kThreads && (int64_t)group * kRowsUnroll < vectors) group *= 2;
-    return (int)std::max<int64_t>(group, owners);
-}
+using namespace ksmm_detail;
 
-template <typename T, int TOKENS>
-void launch_rows(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                 cudaStream_t stream) {
-    const int group = rows_group(c, d);
-    const int64_t rows_per_block = kThreads / group;
-    const int64_t blocks = (a * b + rows_per_block - 1) / rows_per_block;
-    ksmm_rows_kernel<T, TOKENS><<<(unsigned)blocks, kThreads, 0, stream>>>(x, w, y, (int)tokens, (int)a, (int)b,
-                                                                          (int)c, (int)d, group);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// tensor cores
-// ---------------------------------------------------------------------------------------------------------
-
-constexpr int kTileK = 32;              // k per pipeline stage
-constexpr int kPlaneLd = kTileK + 8;    // a plane row in halves: 80 B, so ldmatrix's 8 rows hit distinct banks
-
-// A 16-byte chunk holds (8 / DL) consecutive k times DL consecutive l: element kk * DL + ll goes to plane ll,
-// column col + kk.
-template <int DL>
-__device__ __forceinline__ void scatter_chunk(uint16_t* plane0, int plane_stride, int row, int col, const uint4& v) {
-    uint16_t* at = plane0 + row * kPlaneLd + col;
-    if constexpr (DL == 1) {
-        *reinterpret_cast<uint4*>(at) = v;
-    } else if constexpr (DL == 2) {
-        *reinterpret_cast<uint2*>(at) = make_uint2(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.z, v.w, 0x5410));
-        *reinterpret_cast<uint2*>(at + plane_stride) =
-            make_uint2(__byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x7632));
-    } else if constexpr (DL == 4) {
-        *reinterpret_cast<uint32_t*>(at) = __byte_perm(v.x, v.z, 0x5410);
-        *reinterpret_cast<uint32_t*>(at + plane_stride) = __byte_perm(v.x, v.z, 0x7632);
-        *reinterpret_cast<uint32_t*>(at + 2 * plane_stride) = __byte_perm(v.y, v.w, 0x5410);
-        *reinterpret_cast<uint32_t*>(at + 3 * plane_stride) = __byte_perm(v.y, v.w, 0x7632);
-    } else {
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int ll = 0; ll < 8; ++ll) at[ll * plane_stride] = (uint16_t)(words[ll / 2] >> (16 * (ll % 2)));
-    }
-}
-
-// A tile of BM = 32 MF tokens by BN = 32 NF outputs j for DL l's of one i; 8 warps as 2 x 4, each
-// (16 MF) x (8 NF) per l. Shared memory: two stages of DL planes of BM rows of x then BN rows of W.
-template <int DL, int MF, int NF>
-struct MmaTile {
-    static constexpr int kBm = 32 * MF, kBn = 32 * NF;
-    static constexpr int kKPerChunk = 8 / DL, kChunksPerRow = kTileK / kKPerChunk;
-    static constexpr int kAChunks = kBm * kChunksPerRow / kThreads, kBChunks = kBn * kChunksPerRow / kThreads;
-    static constexpr int kPlane = (kBm + kBn) * kPlaneLd;  // halves
-    static constexpr int kStage = DL * kPlane;
-    static constexpr size_t kSmemBytes = 2 * kStage * sizeof(uint16_t);
-    static_assert(kBm * kChunksPerRow % kThreads == 0 && kBn * kChunksPerRow % kThreads == 0, "whole chunks");
-};
-
-template <typename T, int DL, int MF, int NF>
-__global__ void __launch_bounds__(kThreads) ksmm_mma_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                                           T* __restrict__ y, int tokens, int a, int b, int c,
-                                                           int d) {
-    using Tile = MmaTile<DL, MF, NF>;
-    constexpr int kBm = Tile::kBm, kBn = Tile::kBn, kKPerChunk = Tile::kKPerChunk;
-    extern __shared__ uint4 smem_raw[];
-    uint16_t* smem = reinterpret_cast<uint16_t*>(smem_raw);
-
-    const int l_groups = d / DL;
-    const int i = blockIdx.y / l_groups, l0 = blockIdx.y % l_groups * DL;
-    const int j_tiles = (b + kBn - 1) / kBn;
-    const int n0 = blockIdx.x / j_tiles * kBm, j0 = blockIdx.x % j_tiles * kBn;
-    const int64_t row_len = (int64_t)c * d;
-
-    // Chunk u of a thread: row (threadIdx.x + u * kThreads) / kChunksPerRow of the tile, fixed over the k loop.
-    const auto chunk_row = [](int u) { return (int)(threadIdx.x + u * kThreads) / Tile::kChunksPerRow; };
-    const auto chunk_col = [](int u) { return (int)(threadIdx.x + u * kThreads) % Tile::kChunksPerRow * kKPerChunk; };
-    const T* a_base[Tile::kAChunks];
-#pragma unroll
-    for (int u = 0; u < Tile::kAChunks; ++u) {
-        const int n = n0 + chunk_row(u);
-        a_base[u] = n < tokens ? x + ((int64_t)n * a + i) * row_len + l0 : nullptr;
-    }
-    const T* b_base[Tile::kBChunks];
-#pragma unroll
-    for (int u = 0; u < Tile::kBChunks; ++u) {
-        const int j = j0 + chunk_row(u);
-        b_base[u] = j < b ? w + ((int64_t)i * b + j) * row_len + l0 : nullptr;
-    }
-    uint4 a_reg[Tile::kAChunks], b_reg[Tile::kBChunks];
-    const auto load = [&](int k0) {
-#pragma unroll
-        for (int u = 0; u < Tile::kAChunks; ++u) {
-            const int k = k0 + chunk_col(u);
-            a_reg[u] = a_base[u] && k < c ? __ldg(reinterpret_cast<const uint4*>(a_base[u] + (int64_t)k * d))
-                                          : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < Tile::kBChunks; ++u) {
-            const int k = k0 + chunk_col(u);
-            b_reg[u] = b_base[u] && k < c ? __ldg(reinterpret_cast<const uint4*>(b_base[u] + (int64_t)k * d))
-                                          : make_uint4(0, 0, 0, 0);
-        }
-    };
-    const auto store = [&](int stage) {
-        uint16_t* planes = smem + stage * Tile::kStage;
-#pragma unroll
-        for (int u = 0; u < Tile::kAChunks; ++u)
-            scatter_chunk<DL>(planes, Tile::kPlane, chunk_row(u), chunk_col(u), a_reg[u]);
-#pragma unroll
-        for (int u = 0; u < Tile::kBChunks; ++u)
-            scatter_chunk<DL>(planes, Tile::kPlane, kBm + chunk_row(u), chunk_col(u), b_reg[u]);
-    };
-
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int warp_m = warp / 4 * 16 * MF, warp_n = warp % 4 * 8 * NF;
-    float acc[DL][MF][NF][4] = {};
-    const auto compute = [&](int stage) {
-#pragma unroll
-        for (int l = 0; l < DL; ++l) {
-            const uint16_t* a_plane = smem + stage * Tile::kStage + l * Tile::kPlane;
-            const uint16_t* b_plane = a_plane + kBm * kPlaneLd;
-#pragma unroll
-            for (int ks = 0; ks < kTileK; ks += 16) {
-                uint32_t af[MF][4];
-#pragma unroll
-                for (int mf = 0; mf < MF; ++mf)
-                    ldmatrix_x4(af[mf], smem_addr(a_plane + (warp_m + mf * 16 + lane % 16) * kPlaneLd + ks +
-                                                  lane / 16 * 8));
-                uint32_t bf[NF][2];
-#pragma unroll
-                for (int nf = 0; nf < NF; nf += 2) {
-                    // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-                    const int n_row = warp_n + nf * 8 + lane % 8 + (nf + 1 < NF ? lane / 16 * 8 : 0);
-                    uint32_t r[4];
-                    ldmatrix_x4(r, smem_addr(b_plane + n_row * kPlaneLd + ks + lane / 8 % 2 * 8));
-                    bf[nf][0] = r[0];
-                    bf[nf][1] = r[1];
-                    if (nf + 1 < NF) {
-                        bf[nf + 1][0] = r[2];
-                        bf[nf + 1][1] = r[3];
-                    }
-                }
-#pragma unroll
-                for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-                    for (int nf = 0; nf < NF; ++nf) mma_m16n8k16<T>(acc[l][mf][nf], af[mf], bf[nf][0], bf[nf][1]);
-            }
-        }
-    };
-
-    const int k_tiles = (c + kTileK - 1) / kTileK;
-    load(0);
-    store(0);
-    __syncthreads();
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const bool more = kt + 1 < k_tiles;
-        if (more) load((kt + 1) * kTileK);
-        compute(kt & 1);
-        if (more) store((kt + 1) & 1);
-        __syncthreads();
-    }
-
-    // c0, c1: token lane / 4, outputs j, j + 1 with j = 2 (lane % 4); c2, c3: token + 8.
-#pragma unroll
-    for (int l = 0; l < DL; ++l)
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int n = n0 + warp_m + mf * 16 + lane / 4 + (r >= 2 ? 8 : 0);
-                    const int j = j0 + warp_n + nf * 8 + 2 * (lane % 4) + (r & 1);
-                    if (n < tokens && j < b)
-                        y[(((int64_t)n * a + i) * b + j) * d + l0 + l] = from_float<T>(acc[l][mf][nf][r]);
-                }
-}
-
-template <typename T, int DL, int MF, int NF>
-void launch_mma_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                     cudaStream_t stream) {
-    using Tile = MmaTile<DL, MF, NF>;
-    const auto kernel = ksmm_mma_kernel<T, DL, MF, NF>;
-    static const cudaError_t configured =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::kSmemBytes);
-    (void)configured;
-    const int64_t tiles = (b + Tile::kBn - 1) / Tile::kBn * ((tokens + Tile::kBm - 1) / Tile::kBm);
-    const dim3 grid((unsigned)tiles, (unsigned)(a * (d / DL)));
-    kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(x, w, y, (int)tokens, (int)a, (int)b, (int)c, (int)d);
-}
-
-// The large tile (MF * NF * DL = 16: 64 accumulators a thread) when it gives every SM a block, else the
-// small one (a quarter of it), so that few tokens or few outputs still fill the GPU.
-template <typename T, int DL, int MF, int NF, int SMALL_MF, int SMALL_NF>
-void launch_mma_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                    cudaStream_t stream) {
-    const int64_t large_blocks = (b + 32 * NF - 1) / (32 * NF) * ((tokens + 32 * MF - 1) / (32 * MF)) * a * (d / DL);
-    if (large_blocks >= sm_count())
-        launch_mma_tile<T, DL, MF, NF>(x, w, y, tokens, a, b, c, d, stream);
-    else
-        launch_mma_tile<T, DL, SMALL_MF, SMALL_NF>(x, w, y, tokens, a, b, c, d, stream);
-}
-
-template <typename T>
-void launch_mma(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                cudaStream_t stream) {
-    switch (d < 8 ? d : 8) {
-        case 1: return launch_mma_for<T, 1, 4, 4, 2, 2>(x, w, y, tokens, a, b, c, d, stream);
-        case 2: return launch_mma_for<T, 2, 4, 2, 2, 1>(x, w, y, tokens, a, b, c, d, stream);
-        case 4: return launch_mma_for<T, 4, 2, 2, 1, 1>(x, w, y, tokens, a, b, c, d, stream);
-        default: return launch_mma_for<T, 8, 2, 1, 1, 1>(x, w, y, tokens, a, b, c, d, stream);
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// generic
-// ---------------------------------------------------------------------------------------------------------
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) ksmm_generic_kernel(const T* __restrict__ x, const T* __restrict__ w,
@@ -375,12 +48,8 @@ template <typename T>
 void launch_typed(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
                   KsmmPath path, cudaStream_t stream) {
     switch (path) {
-        case KsmmPath::kRows:
-            if (tokens <= 1) return launch_rows<T, 1>(x, w, y, tokens, a, b, c, d, stream);
-            if (tokens <= 2) return launch_rows<T, 2>(x, w, y, tokens, a, b, c, d, stream);
-            if (tokens <= 4) return launch_rows<T, 4>(x, w, y, tokens, a, b, c, d, stream);
-            if (tokens <= 8) return launch_rows<T, 8>(x, w, y, tokens, a, b, c, d, stream);
-            return launch_rows<T, 16>(x, w, y, tokens, a, b, c, d, stream);
+        case KsmmPath::kRows: return launch_rows<T>(x, w, y, tokens, a, b, c, d, stream);
+        case KsmmPath::kGemv: return launch_gemv<T>(x, w, y, tokens, a, b, c, d, ProjectionFusion{}, stream);
         case KsmmPath::kTensorCore: return launch_mma<T>(x, w, y, tokens, a, b, c, d, stream);
         default: {
             const int64_t total = tokens * a * b * d;
@@ -402,6 +71,8 @@ bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int
         case KsmmPath::kGeneric: return true;
         case KsmmPath::kRows:
             return tokens <= kKsmmRowsMaxTokens && power_of_two(d) && d <= kKsmmRowsMaxD && vectors;
+        case KsmmPath::kGemv:
+            return tokens <= kKsmmRowsMaxTokens && (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors;
         case KsmmPath::kTensorCore:
             return (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors && a * (d < 8 ? 1 : d / 8) <= 65535;
     }
@@ -410,8 +81,8 @@ bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int
 
 KsmmPath ksmm_auto_path(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
                         const void* y) {
-    if (tokens <= kKsmmRowsMaxTokens && ksmm_path_supports(KsmmPath::kRows, tokens, a, b, c, d, x, w, y))
-        return KsmmPath::kRows;
+    if (tokens == 1 && ksmm_path_supports(KsmmPath::kRows, tokens, a, b, c, d, x, w, y)) return KsmmPath::kRows;
+    if (ksmm_path_supports(KsmmPath::kGemv, tokens, a, b, c, d, x, w, y)) return KsmmPath::kGemv;
     if (ksmm_path_supports(KsmmPath::kTensorCore, tokens, a, b, c, d, x, w, y)) return KsmmPath::kTensorCore;
     return KsmmPath::kGeneric;
 }
@@ -430,6 +101,24 @@ void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t 
     else
         launch_typed(static_cast<const half*>(x), static_cast<const half*>(w), static_cast<half*>(y), tokens, a, b,
                      c, d, path, stream);
+}
+
+bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
+                               const void* y, const ProjectionFusion& fusion) {
+    if (!ksmm_path_supports(KsmmPath::kGemv, tokens, a, b, c, d, x, w, y) || tokens < 1 || c < 1) return false;
+    if (fusion.norm_weight && !aligned16(fusion.norm_weight)) return false;
+    return !fusion.silu_mul || (a == 1 && b % 2 == 0 && !fusion.accumulate);
+}
+
+void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
+                      int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream) {
+    if (a * b * d == 0) return;
+    if (dtype == DType::kBFloat16)
+        ksmm_detail::launch_gemv(static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
+                                 static_cast<__nv_bfloat16*>(y), tokens, a, b, c, d, fusion, stream);
+    else
+        ksmm_detail::launch_gemv(static_cast<const half*>(x), static_cast<const half*>(w), static_cast<half*>(y),
+                                 tokens, a, b, c, d, fusion, stream);
 }
 
 }  // namespace minfer

@@ -6,9 +6,14 @@ namespace {
 
 using namespace minfer::binding;
 
-// `path`: 0 auto, 1 generic, 2 rows (bandwidth), 3 tensor cores (minfer::KsmmPath), for tests and benchmarks.
-void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, int64_t path) {
-    const char* op = "minfer.ksmm";
+struct FactorShape {
+    int64_t tokens, a, b, c, d;
+};
+
+// The pattern and batch of a factor product, its tensors checked: x [T, a*c*d], the (a, b, c, d) factor and
+// out [T, outputs] (a*b*d, or half of it with silu_mul) contiguous on one device in one 16-bit float dtype.
+FactorShape check_factor_product(const at::Tensor& x, const at::Tensor& factor, const at::Tensor& out,
+                                 bool silu_mul, const char* op) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(factor, "factor");
     check_cuda_contiguous(out, "out");
@@ -16,9 +21,9 @@ void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, 
     const int64_t a = factor.size(0), b = factor.size(1), c = factor.size(2), d = factor.size(3);
     MINFER_CHECK(x.dim() == 2 && x.size(1) == a * c * d, op, ": x must be [T, ", a * c * d, "] for the pattern ",
                  factor.sizes(), ", got ", x.sizes());
-    const int64_t tokens = x.size(0);
-    MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens && out.size(1) == a * b * d, op, ": out must be [", tokens,
-                 ", ", a * b * d, "], got ", out.sizes());
+    const int64_t tokens = x.size(0), outputs = silu_mul ? a * b * d / 2 : a * b * d;
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens && out.size(1) == outputs, op, ": out must be [", tokens,
+                 ", ", outputs, "], got ", out.sizes());
     MINFER_CHECK(factor.scalar_type() == at::kHalf || factor.scalar_type() == at::kBFloat16, op,
                  ": the factor must be float16 or bfloat16, got ", factor.scalar_type());
     MINFER_CHECK(x.scalar_type() == factor.scalar_type() && out.scalar_type() == factor.scalar_type(), op,
@@ -26,17 +31,26 @@ void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, 
     MINFER_CHECK(x.device() == factor.device() && out.device() == factor.device(), op,
                  ": tensors on different devices");
     MINFER_CHECK(a <= INT32_MAX && b <= INT32_MAX && c <= INT32_MAX && d <= INT32_MAX && tokens <= INT32_MAX &&
-                     a * b <= INT32_MAX,
+                     a * b <= INT32_MAX && c * d <= INT32_MAX,
                  op, ": the pattern or the batch is too large for the kernel's int32 indices");
     MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op,
                  ": out must not overlap x (other blocks still read x while one writes out)");
-    MINFER_CHECK(path >= 0 && path <= 3, op, ": path must be 0 (auto), 1 (generic), 2 (rows) or 3 (tensor cores)");
+    return {tokens, a, b, c, d};
+}
+
+// `path`: 0 auto, 1 generic, 2 rows, 3 tensor cores, 4 gemv (minfer::KsmmPath), for tests and benchmarks.
+void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, int64_t path) {
+    const char* op = "minfer.ksmm";
+    const auto [tokens, a, b, c, d] = check_factor_product(x, factor, out, false, op);
+    MINFER_CHECK(path >= 0 && path <= 4, op,
+                 ": path must be 0 (auto), 1 (generic), 2 (rows), 3 (tensor cores) or 4 (gemv)");
     const auto chosen = static_cast<minfer::KsmmPath>(path);
     MINFER_CHECK(minfer::ksmm_path_supports(chosen, tokens, a, b, c, d, x.data_ptr(), factor.data_ptr(),
                                             out.data_ptr()),
                  op, ": path ", path, " cannot run the pattern ", factor.sizes(), " for ", tokens,
-                 " tokens (rows: at most ", minfer::kKsmmRowsMaxTokens, " tokens and d a power of two up to ",
-                 minfer::kKsmmRowsMaxD, "; both fast paths: c*d a multiple of 8 and 16-byte aligned tensors)");
+                 " tokens (gemv and rows: at most ", minfer::kKsmmRowsMaxTokens,
+                 " tokens; rows: d a power of two up to ", minfer::kKsmmRowsMaxD,
+                 "; the others: d 1, 2, 4 or a multiple of 8; all: c*d a multiple of 8 and 16-byte aligned tensors)");
     const c10::cuda::CUDAGuard guard(x.device());
     minfer::launch_ksmm(x.data_ptr(), factor.data_ptr(), out.data_ptr(), tokens, a, b, c, d, chosen,
                         dtype_of(factor), current_stream());
@@ -45,14 +59,36 @@ void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, 
 
 void ksmm(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out) { ksmm_tuned(x, factor, out, 0); }
 
+// A factor of a decode projection on the gemv kernel with its fusions (ksmm.h, launch_ksmm_gemv): the norm
+// weight g [a*c*d] on the chain's first factor, accumulate (the residual add) or silu_mul on its last.
+void ksmm_gemv(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out,
+               const std::optional<at::Tensor>& norm_weight, double eps, bool accumulate, bool silu_mul) {
+    const char* op = "minfer.ksmm_gemv";
+    const auto [tokens, a, b, c, d] = check_factor_product(x, factor, out, silu_mul, op);
+    minfer::ProjectionFusion fusion = projection_fusion(norm_weight, eps, accumulate, x, out, a * c * d, op);
+    fusion.silu_mul = silu_mul;
+    MINFER_CHECK(minfer::ksmm_gemv_fusion_supports(tokens, a, b, c, d, x.data_ptr(), factor.data_ptr(),
+                                                   out.data_ptr(), fusion),
+                 op, ": the gemv kernel cannot run the pattern ", factor.sizes(), " for ", tokens, " tokens (1 to ",
+                 minfer::kKsmmRowsMaxTokens, " tokens, d 1, 2, 4 or a multiple of 8, c*d a multiple of 8, 16-byte ",
+                 "aligned tensors; silu_mul: a == 1, b even and no accumulate)");
+    const c10::cuda::CUDAGuard guard(x.device());
+    minfer::launch_ksmm_gemv(x.data_ptr(), factor.data_ptr(), out.data_ptr(), tokens, a, b, c, d, fusion,
+                             dtype_of(factor), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("ksmm(Tensor x, Tensor factor, Tensor(a!) out) -> ()");
     m.def("ksmm_tuned(Tensor x, Tensor factor, Tensor(a!) out, int path) -> ()");
+    m.def("ksmm_gemv(Tensor x, Tensor factor, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, "
+          "bool accumulate=False, bool silu_mul=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("ksmm", &ksmm);
     m.impl("ksmm_tuned", &ksmm_tuned);
+    m.impl("ksmm_gemv", &ksmm_gemv);
 }

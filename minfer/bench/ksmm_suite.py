@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from .. import ops
+from ..errors import MinferError
 from ..formats.ksmm import Pattern
 from ..sparsity.factorize import monarch_chain, random_chains
 from . import e2e_suite, report
@@ -45,7 +46,8 @@ KS_PRESET = "monarch-50"
 COLUMNS = {
     "grid": [report.Column(*c) for c in [
         ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("factor_mb", "factor MB", "{:.1f}"),
-        ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("dense_ms", "dense ms", "{:.4f}"),
+        ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("rows_ms", "rows ms", "{:.4f}"),
+        ("dense_ms", "dense ms", "{:.4f}"),
         ("einsum_ms", "einsum ms", "{:.4f}"), ("bmm_ms", "bmm ms", "{:.4f}"), ("best", "best torch"),
         ("speedup", "vs best", "{:.2f}x"), ("tflops", "TFLOP/s", "{:.1f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "summary": [report.Column(*c) for c in [
@@ -106,6 +108,9 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20,
            "path": ops.ksmm_path(pattern, tokens)}
     row["minfer_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
+    # the CUDA-core rows kernel where gemv is the auto choice (2..16 tokens): the evidence for that choice
+    row["rows_ms"] = (time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="rows"), copies, reps)
+                      if row["path"] == "gemv" and ops.ksmm_kernel_takes("rows", pattern, tokens) else None)
     dense_bytes = (a * b * d) * (a * c * d) * size
     if dense_bytes <= MAX_DENSE_BYTES:
         dense_copies = rotation_count(dense_bytes + x_bytes)
@@ -129,7 +134,7 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
 
 def summarize(rows: list[dict]) -> list[dict]:
     summary = []
-    for tokens in (*BATCHES, None):
+    for tokens in (*dict.fromkeys(r["tokens"] for r in rows), None):
         chosen = [r for r in rows if tokens is None or r["tokens"] == tokens]
         if not chosen:
             continue
@@ -144,12 +149,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     return summary
 
 
-def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None]) -> tuple[float, list[dict], list[dict]]:
+def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None],
+        batches: tuple[int, ...] = BATCHES) -> tuple[float, list[dict], list[dict]]:
     """(copy GB/s, one row per case, the summary per batch size and overall)."""
     copy_gbs = copy_bandwidth_gbs()
     size = torch.finfo(dtype).bits // 8
     rows = []
-    for tokens in BATCHES:
+    for tokens in batches:
         for pattern in grid_patterns():
             if case_fits(pattern, tokens, size):
                 rows.append(time_case(pattern, tokens, dtype, reps, copy_gbs))
@@ -206,32 +212,56 @@ def plot(path: str, rows: list[dict], title: str) -> None:
     plt.close(fig)
 
 
+def print_case(row: dict) -> None:
+    print(f"  ksmm {row['pattern']} B={row['tokens']} {row['path']}: {row['minfer_ms'] * 1e3:.1f} us"
+          + (f" (rows {row['rows_ms'] * 1e3:.1f} us)" if row["rows_ms"] is not None else "")
+          + f", best torch {row['speedup'] * row['minfer_ms'] * 1e3:.1f} us ({row['best']}), {row['speedup']:.2f}x"
+          + (f", {row['pct_copy']:.0f}% copy" if row["pct_copy"] is not None else ""), flush=True)
+
+
 def run_step(bench: SuiteRun) -> dict:
+    """The end-to-end rows first: they are the ones a cut-short run must keep."""
     args = bench.args
     rows: dict[str, list[dict]] = {}
-    copy_gbs, rows["grid"], rows["summary"] = run(
-        bench.dtype, args.reps, on_row=lambda row: print(f"  ksmm {row['pattern']} B={row['tokens']}: "
-                                                         f"{row['speedup']:.2f}x", flush=True))
-    bench.env["copy_gbs"] = round(copy_gbs, 1)
-    bench.save({"ksmm": rows})
     rows["e2e"] = e2e_rows(
         args.model, args.prompt_tokens, args.new_tokens, bench.dtype, embedding=args.embedding,
-        on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s", flush=True))
+        on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s, prefill "
+                                 f"{row['prefill_ms']:.1f} ms", flush=True))
+    bench.save({"ksmm": rows})
+    copy_gbs, rows["grid"], rows["summary"] = run(bench.dtype, args.reps, print_case, grid_batches(args))
+    bench.env["copy_gbs"] = round(copy_gbs, 1)
     return {"ksmm": rows}
 
 
+def grid_batches(args) -> tuple[int, ...]:
+    """--batches as integers (default BATCHES); MinferError on a value that is not a positive integer."""
+    if args.batches is None:
+        return BATCHES
+    try:
+        batches = tuple(int(value) for value in args.batches)
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise MinferError(f"--batches takes positive whole numbers, got {','.join(args.batches)}")
+    return batches
+
+
 def report_step(bench: SuiteRun) -> None:
-    for section, rows in bench.results["ksmm"].items():
+    for section in ("grid", "summary", "e2e"):  # the summary and the end-to-end rows last, under the long grid
+        rows = bench.results["ksmm"].get(section)
+        if rows is None:
+            continue
         report.print_table(f"KS factors: {section} ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS[section],
                            rows)
 
 
 def plot_step(bench: SuiteRun, path: str) -> bool:
-    if not bench.results["ksmm"]:
+    if not bench.results["ksmm"].get("grid"):
         return False
     plot(path, bench.results["ksmm"]["grid"], f"KS factors, {bench.env.get('device')}, {bench.args.dtype}")
     return True
 
 
 register(Suite("ksmm", {"ksmm": dict}, run_step, report_step,
-               flags=("plot", "reps", "model", "prompt_tokens", "new_tokens", "embedding"), e2e=True, plot=plot_step))
+               flags=("plot", "reps", "model", "prompt_tokens", "new_tokens", "embedding", "batches"), e2e=True,
+               check=grid_batches, plot=plot_step))

@@ -157,6 +157,44 @@ class KSWeight(WeightFormat):
         compute = torch.promote_types(x.dtype, torch.float32)
         return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """Where ops.ksmm runs the gemv kernel (2..KSMM_ROWS_MAX_TOKENS tokens; one token goes to the faster rows
+        kernel, unfused), the norm runs inside the first factor's kernel and the MLP activation or the residual add
+        inside the last one's (ops.ksmm_gemv); a step a factor's kernel cannot fuse runs as its own op."""
+        tokens = x.numel() // max(self.in_features, 1)
+        if not (ops.use_kernels(x) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES
+                and 1 <= tokens <= ops.KSMM_ROWS_MAX_TOKENS and not (silu_mul and residual is not None)):
+            return super().project(x, norm_weight, eps, residual, silu_mul)
+        factors = self.factors
+        first, last = tuple(factors[0].shape), tuple(factors[-1].shape)
+
+        def gemv_fuses(pattern: Pattern, silu: bool = False) -> bool:
+            return ops.ksmm_path(pattern, tokens) == "gemv" and ops.ksmm_gemv_fuses(pattern, tokens, silu)
+
+        fuse_norm = norm_weight is not None and gemv_fuses(first)
+        fuse_silu = silu_mul and gemv_fuses(last, silu=True)
+        fuse_residual = residual is not None and residual.is_contiguous() and gemv_fuses(last)
+        flat = x.reshape(tokens, self.in_features).contiguous()
+        if norm_weight is not None and not fuse_norm:
+            flat = ops.rms_norm(flat, norm_weight, eps)
+        for index, factor in enumerate(factors):
+            norm = norm_weight if index == 0 and fuse_norm else None
+            if index == len(factors) - 1 and (fuse_silu or fuse_residual):
+                out = residual.view(tokens, self.out_features) if fuse_residual else None
+                flat = ops.ksmm_gemv(flat, factor, out, norm_weight=norm, eps=eps, accumulate=fuse_residual,
+                                     silu_mul=fuse_silu)
+            elif norm is not None:
+                flat = ops.ksmm_gemv(flat, factor, norm_weight=norm, eps=eps)
+            else:
+                flat = ops.ksmm(flat, factor)
+        if fuse_residual:
+            return residual
+        if silu_mul and not fuse_silu:
+            flat = ops.silu_mul(flat)
+        y = flat.reshape(*x.shape[:-1], flat.shape[-1])
+        return y if residual is None else residual.add_(y)
+
     def extra_repr(self) -> str:
         return f"{self.name}, shape={self.shape}, patterns={self.patterns}"
 
