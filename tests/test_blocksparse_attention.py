@@ -299,9 +299,9 @@ GPU_LAYOUTS = NAMED + ["sink-window:sink=0,window=64"]
 
 
 def gpu_kernels():
-    """The kernels this GPU runs: the wgmma ones need sm_90."""
+    """The kernels this GPU runs: the wgmma ones (wgmma and the warp-specialized ws variants) need sm_90."""
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-    return ["wgmma", "mma"] if hopper else ["mma"]
+    return ["wgmma", "ws", "ws-grid", "ws-nopp", "mma"] if hopper else ["mma"]
 
 
 @requires_cuda
