@@ -435,12 +435,13 @@ __global__ void __launch_bounds__(kWgmmaThreads, 2) prefill_wgmma_kernel(const P
 // is in flight (rescaling O once it lands). kPingPong: the two consumers take turns issuing their
 // wgmmas (named barriers), so one's softmax runs while the other's matrix products do. The grid is
 // persistent or one pair per block (the launcher's choice): a block takes items blockIdx.x,
-// blockIdx.x + gridDim.x, .. in the order longest causal lists first, and the producer loads the next
-// item's Q and tiles while the consumers finish the last one.
+// blockIdx.x + gridDim.x, .. (ordered in task_of), and the producer loads the next item's Q and tiles
+// while the consumers finish the last one.
 
 constexpr int kWsThreads = 384;
 constexpr int kWsStages = 4;
 constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: consumer g's turn to issue
+constexpr int kHeadsPerGroup = 2;  // as many heads as run at once in the one-pair-per-block grid at 16k
 
 // Shared memory of the warp-specialized kernel in bytes from the aligned base: Q (one 64-row tile per
 // consumer), each consumer's output staging tile, the ring, then the barriers.
@@ -474,11 +475,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     auto empty = [&](int stage) { return q_full + 32 + 24 * stage; };
     auto stage_addr = [&](int stage) { return base + L::kRing + stage * 2 * L::kTileBytes; };
 
-    const int pairs = (p.q_tiles + 1) / 2, per_pair = p.q_heads * p.batch;
-    const int items = pairs * per_pair;
+    // Items: heads (of all batches) in groups of kHeadsPerGroup, each group's pairs longest lists first,
+    // the group's heads within a pair; a group's K and V stay in L2 while its pairs run.
+    const int pairs = (p.q_tiles + 1) / 2, heads = p.q_heads * p.batch;
+    const int items = pairs * heads;
     auto task_of = [&](int item) {
-        const int rest = item % per_pair;
-        return PairTask<T>(p, pairs - 1 - item / per_pair, rest % p.q_heads, rest / p.q_heads);
+        const int group = item / (pairs * kHeadsPerGroup), rest = item - group * pairs * kHeadsPerGroup;
+        const int in_group = min(kHeadsPerGroup, heads - group * kHeadsPerGroup);  // the last may be short
+        const int head = group * kHeadsPerGroup + rest % in_group;
+        return PairTask<T>(p, pairs - 1 - rest / in_group, head % p.q_heads, head / p.q_heads);
     };
 
     if (threadIdx.x == 0) {

@@ -376,12 +376,18 @@ def check_step(args) -> None:
         raise MinferError(f"--phases: choose among {','.join(PHASES)}, got {','.join(args.phases)}")
 
 
+def progress_line(row: dict) -> str:
+    """A row as it is measured: the default kernel's time, then each variant's (a cut-short run keeps them)."""
+    if "minfer_ms" not in row:
+        return f"  attention {row['layout']} {row['seq_len']}: decode {row['minfer_us']:.1f} us"
+    variants = "".join(f", {name} {row[f'{name}_ms']:.3f}" for name in kernel_variants() if f"{name}_ms" in row)
+    return f"  attention {row['layout']} {row['seq_len']}: {row['minfer_ms']:.3f} ms{variants}"
+
+
 def run_step(bench: SuiteRun) -> dict:
     ceilings, rows, fit, decoded = run(
         chosen_lengths(bench.args), bench.dtype, phases=tuple(bench.args.phases or PHASES),
-        on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
-                                 + (f"{row['minfer_ms']:.3f} ms" if "minfer_ms" in row else
-                                    f"decode {row['minfer_us']:.1f} us"), flush=True))
+        on_row=lambda row: print(progress_line(row), flush=True))
     bench.env.update({key: round(value, 1) for key, value in ceilings.items() if value is not None})
     return {"attention": rows, "attention_fit": fit, "attention_decode": decoded}
 
