@@ -83,15 +83,29 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_str
 
 // The two query tiles' key-tile lists, merged: each step yields the next key tile in ascending order
 // and which tiles keep it (bit 0: the first, bit 1: the second).
+// Lane 0's value: the same in every lane, and known to the compiler to be, so that wgmma code under
+// branches on it is not serialized (ptxas C7520).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 struct MergedLists {
     const int* key_tiles;
     int a, a_end, b, b_end;
 
     __device__ bool done() const { return a >= a_end && b >= b_end; }
 
+    __device__ MergedLists warp_uniform_copy() const {
+        return {key_tiles, warp_uniform(a), warp_uniform(a_end), warp_uniform(b), warp_uniform(b_end)};
+    }
+
+    // kUniform: the loaded tiles pass through warp_uniform (a copy from warp_uniform_copy stays uniform).
+    template <bool kUniform = false>
     __device__ int pop(int& keepers) {
-        const int ka = a < a_end ? key_tiles[a] : INT_MAX;
-        const int kb = b < b_end ? key_tiles[b] : INT_MAX;
+        int ka = a < a_end ? key_tiles[a] : INT_MAX;
+        int kb = b < b_end ? key_tiles[b] : INT_MAX;
+        if constexpr (kUniform) {
+            ka = warp_uniform(ka);
+            kb = warp_uniform(kb);
+        }
         const int k = min(ka, kb);
         keepers = (ka == k ? 1 : 0) | (kb == k ? 2 : 0);
         a += ka == k;
@@ -173,13 +187,16 @@ __device__ __forceinline__ void visit_kept_tiles(const Params& p, PairTask<T>& t
 // One warp's online-softmax step over a key tile for kM m16 row tiles: s holds Q K^T (each thread rows
 // lane/4 and lane/4 + 8 of each m-tile, the quad's four lanes share a row) and becomes the tile's
 // probabilities; the statistics advance and alpha gets each row's factor for O (rescale_rows).
-// `row0`: the tile row of the warp's first row; on the diagonal tile key j is visible to query i when
-// j <= i, and every row still sees its own key.
+// `row0`: the tile row of the warp's first row. Key j of the tile is visible to query i when
+// j <= i + reach: kTile for a full tile, 0 on the diagonal (every row still sees its own key), -kTile
+// for none (the row's statistics and O stay as they were).
+constexpr int kReachAll = kTile, kReachCausal = 0, kReachNone = -kTile;
+
 template <int kM>
 __device__ __forceinline__ void softmax_scores(float (&s)[kM][kKeyTiles][4], float (&row_max)[kM][2],
                                                float (&row_sum)[kM][2], float (&alpha)[kM][2], float scale_log2,
-                                               bool diagonal, int row0, int lane) {
-    if (diagonal) {
+                                               int reach, int row0, int lane) {
+    if (reach < kReachAll) {
 #pragma unroll
         for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
@@ -188,7 +205,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kM][kKeyTiles][4], flo
                 for (int e = 0; e < 4; ++e) {
                     const int row = row0 + mt * 16 + lane / 4 + 8 * (e / 2);
                     const int col = nt * 8 + 2 * (lane % 4) + e % 2;
-                    if (col > row) s[mt][nt][e] = -INFINITY;
+                    if (col > row + reach) s[mt][nt][e] = -INFINITY;
                 }
     }
 #pragma unroll
@@ -201,14 +218,15 @@ __device__ __forceinline__ void softmax_scores(float (&s)[kM][kKeyTiles][4], flo
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(row_max[mt][hr], mx * scale_log2);
-            alpha[mt][hr] = fast_exp2(row_max[mt][hr] - m_new);
+            const float base = m_new == -INFINITY ? 0.0f : m_new;  // no key seen yet: everything stays 0
+            alpha[mt][hr] = fast_exp2(row_max[mt][hr] - base);
             row_max[mt][hr] = m_new;
             float sum = 0.0f;
 #pragma unroll
             for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
                 for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                    s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - m_new);
+                    s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - base);
                     sum += s[mt][nt][e];
                 }
             row_sum[mt][hr] = row_sum[mt][hr] * alpha[mt][hr] + sum;
@@ -236,7 +254,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[kM][kKeyTiles][4], float
                                              float (&row_max)[kM][2], float (&row_sum)[kM][2], float scale_log2,
                                              bool diagonal, int row0, int lane) {
     float alpha[kM][2];
-    softmax_scores(s, row_max, row_sum, alpha, scale_log2, diagonal, row0, lane);
+    softmax_scores(s, row_max, row_sum, alpha, scale_log2, diagonal ? kReachCausal : kReachAll, row0, lane);
     rescale_rows(o, alpha);
 }
 
@@ -429,10 +447,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 2) prefill_wgmma_kernel(const P
 // ---- warp-specialized wgmma kernel (the FlashAttention-3 schedule) ----
 // Warpgroup 0 is the producer: one thread walks the pairs' merged lists and issues TMA loads of Q and
 // of the K/V tiles into a ring of kWsStages, each stage handed over through mbarriers (K and V landed
-// apart, so Q K^T starts before V is in; `empty` when both consumers are done). Warpgroups 1 and 2
-// are the consumers, one per query tile, with no block-wide barrier between them. Each issues
-// S = Q K_j^T and the previous kept tile's O += P V together and runs tile j's softmax while P V
-// is in flight (rescaling O once it lands). kPingPong: the two consumers take turns issuing their
+// apart; `empty` when both consumers are done). Warpgroups 1 and 2 are the consumers, one per query
+// tile, with no block-wide barrier between them. Each computes every merged tile (one its tile does
+// not keep is fully masked), so that every step issues the same wgmmas: S_j = Q K_j^T, then O (scaled
+// by tile j-1's factors) += P_{j-1} V_{j-1}, and tile j's softmax follows while P V may be in flight
+// (in the SASS ptxas moves the P V wait ahead of the exponentials: only the masking overlaps it).
+// A wgmma under a data-dependent branch, or a branch whose condition the compiler cannot prove
+// warp-uniform, makes ptxas serialize every wgmma of the kernel (C7520/C7514); hence the peeled first
+// and last steps and the warp_uniform lists. kPingPong: the two consumers take turns issuing their
 // wgmmas (named barriers), so one's softmax runs while the other's matrix products do. The grid is
 // persistent or one pair per block (the launcher's choice): a block takes items blockIdx.x,
 // blockIdx.x + gridDim.x, .. (ordered in task_of), and the producer loads the next item's Q and tiles
@@ -534,7 +556,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         }
     } else {
         setmaxnreg_inc<232>();
-        const int g = threadIdx.x / 128 - 1;  // query tile first + g
+        const int g = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;  // query tile first + g
         const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
         const int tile_row0 = warp * 16;
         const uint32_t q_tile = base + L::kQ + g * L::kTileBytes;
@@ -560,10 +582,33 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             auto& o_flat = reinterpret_cast<float(&)[D / 2]>(o);
             auto& s_flat = reinterpret_cast<float(&)[32]>(s);
             auto& pa_flat = reinterpret_cast<uint32_t(&)[kTile / 4]>(pa);
-            int pending = -1;  // the stage whose P V is still to issue (P in pa), or none
-            uint32_t pending_phase = 0;
-            auto issue_pv = [&] {  // O += P V of the pending stage (after a wgmma_fence)
-                mbar_wait(v_full(pending), pending_phase);
+            // Every merged tile is computed, a tile this query tile does not keep fully masked, so that
+            // each step issues the same wgmmas (no wgmma under a branch) and holds at most two stages.
+            MergedLists walk = task.lists.warp_uniform_copy();
+            int stage = 0, pending = 0;  // the stage of this step's K, of the P V still to issue
+            uint32_t phase = 0, pending_phase = 0;
+            bool kept = false, diagonal = false;
+            auto next_tile = [&] {  // the next merged tile: its stage, once its K has landed
+                int keepers;
+                const int key_tile = walk.pop<true>(keepers);
+                kept = (keepers >> g) & 1;
+                diagonal = key_tile == task.first + g;
+                stage = it % kWsStages;
+                phase = (it / kWsStages) & 1;
+                ++it;
+                mbar_wait(k_full(stage), phase);
+            };
+            auto issue_s = [&] {  // S = Q K^T of this step's stage
+                const uint32_t k_addr = stage_addr(stage);
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {  // 16 dims: panel kk / 4, (kk % 4) * 32 bytes into its rows
+                    const uint32_t panel = kk / 4, in_row = (kk % 4) * 32;
+                    wgmma_m64n64k16_ss<T>(s_flat, k_major_descriptor(q_tile + panel * kPanelBytes + in_row),
+                                          k_major_descriptor(k_addr + panel * kPanelBytes + in_row), kk > 0);
+                }
+                wgmma_commit();
+            };
+            auto issue_pv = [&] {  // O += P V of the pending stage (its V landed: v_full waited)
                 const uint32_t v_addr = stage_addr(pending) + L::kTileBytes;
 #pragma unroll
                 for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 keys: rows 16 ks.. of every panel
@@ -579,62 +624,47 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                 fence_accumulators(o_flat);
                 fence_operands(pa_flat);
                 release(empty(pending));
-                pending = -1;
             };
-            mbar_wait(q_full, round & 1);
-            MergedLists walk = task.lists;
-            for (; !walk.done(); ++it) {
-                int keepers;
-                const int key_tile = walk.pop(keepers);
-                const int stage = it % kWsStages;
-                const uint32_t phase = (it / kWsStages) & 1;
-                mbar_wait(k_full(stage), phase);
-                if (!((keepers >> g) & 1)) {  // the other tile's: finish any P V, hand the stage back
-                    my_turn();
-                    if (pending >= 0) {
-                        wgmma_fence();
-                        issue_pv();
-                    }
-                    their_turn();
-                    if (pending >= 0) {
-                        wgmma_wait<0>();
-                        retire_pv();
-                    }
-                    release(empty(stage));
-                    continue;
-                }
-                const uint32_t k_addr = stage_addr(stage);
-                my_turn();
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {  // 16 dims: panel kk / 4, (kk % 4) * 32 bytes into its rows
-                    const uint32_t panel = kk / 4, in_row = (kk % 4) * 32;
-                    wgmma_m64n64k16_ss<T>(s_flat, k_major_descriptor(q_tile + panel * kPanelBytes + in_row),
-                                          k_major_descriptor(k_addr + panel * kPanelBytes + in_row), kk > 0);
-                }
-                wgmma_commit();
-                const bool overlapped = pending >= 0;
-                if (overlapped) issue_pv();
-                their_turn();
-                if (overlapped)
-                    wgmma_wait<1>();  // S is in; P V may still run
-                else
-                    wgmma_wait<0>();
+            auto probabilities = [&](float (&alpha)[1][2]) {  // S (landed) -> P in s, statistics, alpha
                 fence_accumulators(s_flat);
-                float alpha[1][2];
-                softmax_scores(s, row_max, row_sum, alpha, p.scale_log2, key_tile == task.first + g, tile_row0,
-                               lane);
-                if (overlapped) {
-                    wgmma_wait<0>();
-                    retire_pv();
-                }
-                rescale_rows(o, alpha);
+                const int reach = !kept ? kReachNone : diagonal ? kReachCausal : kReachAll;
+                softmax_scores(s, row_max, row_sum, alpha, p.scale_log2, reach, tile_row0, lane);
+            };
+            auto pack_pending = [&] {  // this step's P becomes the pending P V
 #pragma unroll
                 for (int ks = 0; ks < kTile / 16; ++ks) probabilities_as_a<T, 1>(pa[ks], s, 0, ks);
                 pending = stage;
                 pending_phase = phase;
-            }
-            if (pending >= 0) {
+            };
+            mbar_wait(q_full, round & 1);
+            if (!walk.done()) {
+                float alpha[1][2];  // the pending tile's factors for O, applied just before its P V
+                next_tile();        // the first tile: no P V before it
+                my_turn();
+                wgmma_fence();
+                issue_s();
+                their_turn();
+                wgmma_wait<0>();
+                probabilities(alpha);
+                pack_pending();
+                while (!walk.done()) {
+                    next_tile();
+                    mbar_wait(v_full(pending), pending_phase);  // long landed: no spin between the wgmmas
+                    my_turn();
+                    wgmma_fence();
+                    issue_s();
+                    rescale_rows(o, alpha);  // O is not in flight here; P V follows
+                    wgmma_fence();
+                    issue_pv();
+                    their_turn();
+                    wgmma_wait<1>();  // S is in; P V may still run during the softmax
+                    probabilities(alpha);
+                    wgmma_wait<0>();
+                    retire_pv();
+                    pack_pending();
+                }
+                mbar_wait(v_full(pending), pending_phase);
+                rescale_rows(o, alpha);
                 wgmma_fence();
                 issue_pv();
                 wgmma_wait<0>();
