@@ -18,18 +18,11 @@ struct Shape {
 template <int D>
 bool tile_map(CUtensorMap* map, const void* ptr, AttnStrides strides, int64_t batch, int64_t heads, int64_t seq_len,
               DType dtype) {
-    const EncodeTiled encode = encode_tiled();
-    if (encode == nullptr) return false;
     const cuuint64_t dims[4] = {D, (cuuint64_t)seq_len, (cuuint64_t)heads, (cuuint64_t)batch};
     const cuuint64_t byte_strides[3] = {(cuuint64_t)strides.seq * 2, (cuuint64_t)strides.head * 2,
                                         (cuuint64_t)strides.batch * 2};
     const cuuint32_t box[4] = {64, kBlocksparseTile, 1, 1};
-    const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-    const CUtensorMapDataType type =
-        dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, type, 4, const_cast<void*>(ptr), dims, byte_strides, box, element_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_swizzled_map(map, ptr, dtype, 4, dims, byte_strides, box);
 }
 
 int multiprocessors() {

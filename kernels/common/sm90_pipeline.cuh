@@ -1,5 +1,5 @@
 // Hopper (sm_90) pipeline pieces shared by the warp-specialized kernels: mbarriers, TMA tile loads,
-// named barriers, setmaxnreg (sm_90a), and the driver's tensor-map encoder fetched at run time.
+// named barriers, setmaxnreg (sm_90a), and tensor maps through the driver's encoder fetched at run time.
 // Included from .cu files only. Framework-free.
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums only: the driver entry point is fetched at run time
@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "launch.h"
 
 namespace minfer {
 
@@ -83,6 +85,21 @@ inline EncodeTiled encode_tiled() {
         return reinterpret_cast<EncodeTiled>(p);
     }();
     return fn;
+}
+
+// A tensor map over float16 / bfloat16 elements with the 128-byte swizzle (a box row of 64 elements is
+// one swizzle row): dims innermost first, byte_strides for dims 1 .., box per dim. Elements outside the
+// tensor load as zeros and are not stored. False when the driver has no encoder or refuses the map.
+inline bool encode_swizzled_map(CUtensorMap* map, const void* ptr, DType dtype, int rank, const cuuint64_t* dims,
+                                const cuuint64_t* byte_strides, const cuuint32_t* box) {
+    const EncodeTiled encode = encode_tiled();
+    if (encode == nullptr) return false;
+    const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+    const CUtensorMapDataType type =
+        dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, type, rank, const_cast<void*>(ptr), dims, byte_strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace minfer

@@ -339,17 +339,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // 2-D map over a row-major [rows, cols] matrix, boxes of box_rows x 64 columns, 128-byte swizzle;
 // elements outside the matrix load as zeros and are not stored.
 bool make_map(CUtensorMap* map, const void* ptr, DType dtype, int rows, int cols, int box_rows) {
-    const EncodeTiled encode = encode_tiled();
-    if (encode == nullptr) return false;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
     const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(cols) * 2};
     const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-    const cuuint32_t element_strides[2] = {1, 1};
-    const CUtensorMapDataType type =
-        dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, type, 2, const_cast<void*>(ptr), dims, row_stride, box, element_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_swizzled_map(map, ptr, dtype, 2, dims, row_stride, box);
 }
 
 int current_device() {
