@@ -298,10 +298,13 @@ def test_generate_bad_attention_flags_give_one_line(args, fragments, capsys):
 GPU_LAYOUTS = NAMED + ["sink-window:sink=0,window=64"]
 
 
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
 def gpu_kernels():
-    """The kernels this GPU runs: the wgmma ones need sm_90."""
-    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-    return ["wgmma", "mma"] if hopper else ["mma"]
+    """The kernels this GPU runs: the wgmma ones (wgmma, the warp-specialized ws) need sm_90."""
+    return ["wgmma", "ws", "mma"] if hopper() else ["mma"]
 
 
 @requires_cuda
@@ -322,6 +325,26 @@ def test_kernel_matches_float64_reference(kernel, dtype, tolerance, head_dim, he
         ref = reference(q.double(), k.double(), v.double(), layout, scale)
         assert not out.isnan().any(), name
         assert rel_error(out, ref) < tolerance, name
+
+
+@requires_cuda
+@pytest.mark.skipif(not hopper(), reason="the warp-specialized kernel needs sm_90")
+@pytest.mark.parametrize("kernel", ["ws", "ws-grid", "ws-nopp"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_warp_specialized_variants_over_more_pairs_than_multiprocessors(kernel, head_dim):
+    # 16 pairs x 8 heads x 2 batches = 256 items: the persistent grid gives a block several, so its
+    # barriers' phases, the ring and Q carry over from one item to the next
+    seq_len = 2001
+    torch.manual_seed(head_dim)
+    q, k, v = random_qkv(2, 8, 2, seq_len, head_dim, torch.float16, "cuda")
+    scale = 1 / math.sqrt(head_dim)
+    for name, block_size in [("causal", 128), ("sink-window:sink=64,window=256", 64), (NAMED[-1], 64)]:
+        layout = compact_layout(name, 8, seq_len, block_size, device="cuda")
+        out = torch.full_like(q, float("nan"))
+        layout.attend(q, k, v, scale, out, kernel=kernel)
+        ref = reference(q.double(), k.double(), v.double(), layout, scale)
+        assert not out.isnan().any(), name
+        assert rel_error(out, ref) < 4e-3, name
 
 
 @requires_cuda

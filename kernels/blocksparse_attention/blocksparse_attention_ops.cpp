@@ -52,11 +52,12 @@ void run_blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const a
                     tile_ptr.device() == device && key_tiles.device() == device,
                 "minfer.blocksparse_attention: tensors on different devices");
     const c10::cuda::CUDAGuard guard(device);
-    minfer::launch_blocksparse_attention(
+    const char* error = minfer::launch_blocksparse_attention(
         q.data_ptr(), strides_of(q), k.data_ptr(), strides_of(k), v.data_ptr(), strides_of(v), out.data_ptr(),
         strides_of(out), tile_ptr.data_ptr<int>(), key_tiles.data_ptr<int>(), batch, q_heads, kv_heads, layout_heads,
         seq_len, head_dim, (float)scale, dtype == at::kHalf ? minfer::DType::kFloat16 : minfer::DType::kBFloat16,
         kernel, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+    TORCH_CHECK(error == nullptr, "minfer.blocksparse_attention: ", error);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -65,16 +66,23 @@ void blocksparse_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     run_blocksparse_attention(q, k, v, tile_ptr, key_tiles, layout_heads, scale, out, minfer::BlocksparseKernel::kAuto);
 }
 
-// The same op with the kernel named (benchmarks, tests): "wgmma" (sm_90a) or "mma".
+// The same op with the kernel named (benchmarks, tests): "mma", or on sm_90 "wgmma", "ws", "ws-grid", "ws-nopp".
 void blocksparse_attention_tuned(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& tile_ptr, const at::Tensor& key_tiles, int64_t layout_heads,
                                  double scale, at::Tensor& out, c10::string_view kernel) {
     minfer::BlocksparseKernel which = minfer::BlocksparseKernel::kMma;
     if (kernel == "wgmma")
         which = minfer::BlocksparseKernel::kWgmma;
+    else if (kernel == "ws")
+        which = minfer::BlocksparseKernel::kWs;
+    else if (kernel == "ws-grid")
+        which = minfer::BlocksparseKernel::kWsGrid;
+    else if (kernel == "ws-nopp")
+        which = minfer::BlocksparseKernel::kWsNoPingPong;
     else
-        TORCH_CHECK(kernel == "mma", "minfer.blocksparse_attention_tuned: kernel must be wgmma or mma");
-    if (which == minfer::BlocksparseKernel::kWgmma) {
+        TORCH_CHECK(kernel == "mma", "minfer.blocksparse_attention_tuned: kernel must be mma, wgmma, ws, ws-grid or "
+                                     "ws-nopp");
+    if (which != minfer::BlocksparseKernel::kMma) {
         int major = 0;
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device().index());
         TORCH_CHECK(major == 9, "minfer.blocksparse_attention_tuned: the wgmma kernels need an sm_90 GPU");

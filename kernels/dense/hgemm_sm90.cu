@@ -12,11 +12,9 @@
 // tile: each loads half of it and multicasts that half into both CTAs' shared memory, so W moves
 // from L2 once per pair. A stage is then free only when the consumers of both CTAs are done with
 // it, so consumers also arrive on the peer CTA's `empty` barrier.
-#include <cuda.h>  // CUtensorMap and its enums only: the driver entry point is fetched at run time
-#include <cudaTypedefs.h>
-
 #include <type_traits>
 
+#include "common/sm90_pipeline.cuh"
 #include "hgemm.h"
 #include "hgemm_common.cuh"
 
@@ -54,32 +52,6 @@ struct Sm90Tile {
 };
 
 #ifdef MINFER_SM90A
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-
-// One arrival that also announces `bytes` of TMA traffic to come.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Waits until the phase with this parity has completed. A fresh barrier counts its phase
-// "before 0" (parity 1) as complete, so the producer's first pass over the ring does not wait.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-    uint32_t done;
-    do {
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
-    } while (!done);
-}
 
 // Box at (c0 = column, c1 = row) of a 2-D tensor map -> shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
@@ -144,22 +116,10 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void warpgroup_barrier(int id) {
-    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
-}
-
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
                  "r"(r2), "r"(r3)
                  : "memory");
-}
-
-template <int R> __device__ __forceinline__ void setmaxnreg_inc() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
-}
-
-template <int R> __device__ __forceinline__ void setmaxnreg_dec() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -269,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
             mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
         }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+        fence_mbarrier_init();
     }
     if constexpr (CLUSTER > 1) {
         cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them
@@ -350,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int c = 0; c < BN / kEpiCols; ++c, ++epi) {
                 const uint32_t buf = epi_own + (epi & 1) * kEpiBytes;
                 if (t128 == 0) tma_store_wait_read<1>();  // the store that last used this buffer has read it
-                warpgroup_barrier(1 + consumer);
+                named_barrier_sync(1 + consumer, 128);
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {
                     const int j = c * 8 + 2 * p;  // n8 blocks j and j + 1
@@ -360,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
                 }
                 fence_proxy_async();
-                warpgroup_barrier(1 + consumer);
+                named_barrier_sync(1 + consumer, 128);
                 if (t128 == 0) {
                     tma_store(&map_y, buf, tile.n * BN + c * kEpiCols, row0);
                     tma_store_commit();
@@ -376,35 +336,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
-
-EncodeTiled encode_tiled() {
-    static const EncodeTiled fn = [] {
-        void* p = nullptr;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) !=
-                cudaSuccess ||
-            found != cudaDriverEntryPointSuccess)
-            return static_cast<EncodeTiled>(nullptr);
-        return reinterpret_cast<EncodeTiled>(p);
-    }();
-    return fn;
-}
-
 // 2-D map over a row-major [rows, cols] matrix, boxes of box_rows x 64 columns, 128-byte swizzle;
 // elements outside the matrix load as zeros and are not stored.
 bool make_map(CUtensorMap* map, const void* ptr, DType dtype, int rows, int cols, int box_rows) {
-    const EncodeTiled encode = encode_tiled();
-    if (encode == nullptr) return false;
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
     const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(cols) * 2};
     const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-    const cuuint32_t element_strides[2] = {1, 1};
-    const CUtensorMapDataType type =
-        dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, type, 2, const_cast<void*>(ptr), dims, row_stride, box, element_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_swizzled_map(map, ptr, dtype, 2, dims, row_stride, box);
 }
 
 int current_device() {

@@ -118,8 +118,9 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def kernel_variants() -> tuple[str, ...]:
-    """The kernels timed beside the default (wgmma on sm_90) at FRACTION_LENGTH: mma.sync."""
-    return ("mma",) if torch.cuda.get_device_capability()[0] == 9 else ()
+    """The kernels timed beside the default (wgmma on sm_90) at every length and in the kept-fraction sweep:
+    the warp-specialized candidates and mma.sync."""
+    return ("ws", "ws-grid", "ws-nopp", "mma") if torch.cuda.get_device_capability()[0] == 9 else ()
 
 
 def prefill_row(layout_name: str, seq_len: int, dtype: torch.dtype, copy_gbs: float, tflops_ceiling: float,
@@ -278,18 +279,21 @@ def run(lengths: tuple[int, ...], dtype: torch.dtype, with_flex: bool = True,
         q, k, v, _ = _inputs(seq_len, dtype)
         sdpa_ms = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         del q, k, v
-        variants = kernel_variants() if seq_len == FRACTION_LENGTH else ()
+        variants = kernel_variants()
         for name in LAYOUTS:
             rows.append(prefill_row(name, seq_len, dtype, copy_gbs, ceiling, flex, sdpa_ms, variants))
             on_row(rows[-1])
     fraction_rows = [row for row in rows if row["seq_len"] == FRACTION_LENGTH and row["layout"] == "dense"]
     for window in FRACTION_WINDOWS:
         fraction_rows.append(prefill_row(f"sink-window:sink=128,window={window}", FRACTION_LENGTH, dtype, copy_gbs,
-                                         ceiling, None, None))
+                                         ceiling, None, None, kernel_variants()))
         on_row(fraction_rows[-1])
     fit = {"seq_len": FRACTION_LENGTH, "kept": [r["kept"] for r in fraction_rows],
            "minfer_ms": [r["minfer_ms"] for r in fraction_rows]}
     fit["slope_ms"], fit["intercept_ms"], fit["r_squared"] = linear_fit(fit["kept"], fit["minfer_ms"])
+    for kernel in kernel_variants():
+        fit[f"{kernel}_ms"] = [r[f"{kernel}_ms"] for r in fraction_rows]
+        fit[f"{kernel}_fit"] = linear_fit(fit["kept"], fit[f"{kernel}_ms"])
     return {"copy_gbs": copy_gbs, "matmul_tflops": ceiling}, rows, fit, decoded
 
 
@@ -331,6 +335,10 @@ def print_report(env: dict, rows: list[dict], fit: dict, dtype_name: str) -> Non
     print(f"time vs kept fraction at {fit['seq_len']}: R^2 = {fit['r_squared']:.4f} over {len(fit['kept'])} layouts "
           f"(kept {min(fit['kept']):.3f} to {max(fit['kept']):.3f}; {fit['slope_ms']:.3f} ms per unit kept + "
           f"{fit['intercept_ms']:.3f} ms)")
+    for name in names:
+        if f"{name}_fit" in fit:
+            slope, intercept, r_squared = fit[f"{name}_fit"]
+            print(f"  {name}: R^2 = {r_squared:.4f}, {slope:.3f} ms per unit kept + {intercept:.3f} ms")
 
 
 def plot_fraction(path: str, fit: dict, title: str) -> None:
@@ -368,12 +376,18 @@ def check_step(args) -> None:
         raise MinferError(f"--phases: choose among {','.join(PHASES)}, got {','.join(args.phases)}")
 
 
+def progress_line(row: dict) -> str:
+    """A row as it is measured: the default kernel's time, then each variant's (a cut-short run keeps them)."""
+    if "minfer_ms" not in row:
+        return f"  attention {row['layout']} {row['seq_len']}: decode {row['minfer_us']:.1f} us"
+    variants = "".join(f", {name} {row[f'{name}_ms']:.3f}" for name in kernel_variants() if f"{name}_ms" in row)
+    return f"  attention {row['layout']} {row['seq_len']}: {row['minfer_ms']:.3f} ms{variants}"
+
+
 def run_step(bench: SuiteRun) -> dict:
     ceilings, rows, fit, decoded = run(
         chosen_lengths(bench.args), bench.dtype, phases=tuple(bench.args.phases or PHASES),
-        on_row=lambda row: print(f"  attention {row['layout']} {row['seq_len']}: "
-                                 + (f"{row['minfer_ms']:.3f} ms" if "minfer_ms" in row else
-                                    f"decode {row['minfer_us']:.1f} us"), flush=True))
+        on_row=lambda row: print(progress_line(row), flush=True))
     bench.env.update({key: round(value, 1) for key, value in ceilings.items() if value is not None})
     return {"attention": rows, "attention_fit": fit, "attention_decode": decoded}
 
