@@ -33,17 +33,25 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
     const int t = threadIdx.x % group;
     const int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
     float acc[TOKENS][8] = {};
+    const uint4* w_row = reinterpret_cast<const uint4*>(w + row * row_len);
+    uint4 wv[kRowsUnroll];
+    auto load_round = [&](int first) {
+#pragma unroll
+        for (int u = 0; u < kRowsUnroll; ++u) {
+            const int v = first + u * group;
+            wv[u] = v < vectors ? load_stream_16B(w_row + v) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // The first round of weights streams in while the previous kernel drains (programmatic dependent
+    // launch); x, which that kernel writes, is read only after the wait, with coherent loads.
+    if (row < rows) load_round(t);
+    wait_for_previous_kernel();
+    allow_dependents_to_launch();
     if (row < rows) {
-        const uint4* w_row = reinterpret_cast<const uint4*>(w + row * row_len);
         const uint4* x_row = reinterpret_cast<const uint4*>(x + row / b * row_len);
         const int64_t token_stride = (int64_t)a * vectors;  // in vectors
         for (int first = t; first < vectors; first += kRowsUnroll * group) {
-            uint4 wv[kRowsUnroll];
-#pragma unroll
-            for (int u = 0; u < kRowsUnroll; ++u) {
-                const int v = first + u * group;
-                wv[u] = v < vectors ? load_stream_16B(w_row + v) : make_uint4(0, 0, 0, 0);
-            }
+            if (first != t) load_round(first);
 #pragma unroll
             for (int u = 0; u < kRowsUnroll; ++u) {
                 const int v = first + u * group;
@@ -54,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
                     for (int n = 0; n < TOKENS; ++n) {
                         if (TOKENS == 1 || n < tokens) {
                             float xf[8];
-                            unpack8<T>(__ldg(x_row + n * token_stride + v), xf);
+                            unpack8<T>(load_coherent_16B(x_row + n * token_stride + v), xf);
 #pragma unroll
                             for (int e = 0; e < 8; ++e) acc[n][e] = fmaf(wf[e], xf[e], acc[n][e]);
                         }
@@ -124,8 +132,8 @@ void launch_rows_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, in
     const int group = rows_group(c, d);
     const int64_t rows_per_block = kThreads / group;
     const int64_t blocks = (a * b + rows_per_block - 1) / rows_per_block;
-    ksmm_rows_kernel<T, TOKENS><<<(unsigned)blocks, kThreads, 0, stream>>>(x, w, y, (int)tokens, (int)a, (int)b,
-                                                                          (int)c, (int)d, group);
+    launch_with_pdl(ksmm_rows_kernel<T, TOKENS>, dim3((unsigned)blocks), dim3(kThreads), 0, stream, true, x, w, y,
+                    (int)tokens, (int)a, (int)b, (int)c, (int)d, group);
 }
 
 }  // namespace
