@@ -12,7 +12,7 @@ int sm_count();
 
 template <typename T>
 void launch_rows(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                 cudaStream_t stream);
+                 bool accumulate, cudaStream_t stream);
 // gemv also runs the decode fusions (ksmm_gemv_fusion_supports says which shapes take which).
 template <typename T>
 void launch_gemv(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,

@@ -2,7 +2,7 @@
 // output row (i, j) streams W[i][j][:][:] (c*d contiguous values) once in 16-byte vectors against x[n][i][:][:]
 // (contiguous too). Element p of the run belongs to l = p mod d; with d a power of two dividing 8 * group, a
 // thread always meets the same l's, so it keeps 8 fp32 sums per token and the group reduces them by shuffles
-// (and shared memory past one warp).
+// (and shared memory past one warp). With `accumulate` it adds into y (a decode projection's residual).
 #include "ksmm/ksmm.h"
 #include "ksmm/ksmm_kernels.cuh"
 
@@ -26,24 +26,32 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
 template <typename T, int TOKENS>
 __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict__ x, const T* __restrict__ w,
                                                             T* __restrict__ y, int tokens, int a, int b, int c,
-                                                            int d, int group) {
+                                                            int d, int group, bool accumulate) {
     __shared__ float partial[kThreads / 32][TOKENS][kKsmmRowsMaxD];
     const int64_t row_len = (int64_t)c * d, rows = (int64_t)a * b;
     const int vectors = (int)(row_len / 8);
     const int t = threadIdx.x % group;
     const int64_t row = (int64_t)blockIdx.x * (kThreads / group) + threadIdx.x / group;
     float acc[TOKENS][8] = {};
+    const uint4* w_row = reinterpret_cast<const uint4*>(w + row * row_len);
+    uint4 wv[kRowsUnroll];
+    auto load_round = [&](int first) {
+#pragma unroll
+        for (int u = 0; u < kRowsUnroll; ++u) {
+            const int v = first + u * group;
+            wv[u] = v < vectors ? load_stream_16B(w_row + v) : make_uint4(0, 0, 0, 0);
+        }
+    };
+    // The first round of weights streams in while the previous kernel drains (programmatic dependent
+    // launch); x, which that kernel writes, is read only after the wait, with coherent loads.
+    if (row < rows) load_round(t);
+    wait_for_previous_kernel();
+    allow_dependents_to_launch();
     if (row < rows) {
-        const uint4* w_row = reinterpret_cast<const uint4*>(w + row * row_len);
         const uint4* x_row = reinterpret_cast<const uint4*>(x + row / b * row_len);
         const int64_t token_stride = (int64_t)a * vectors;  // in vectors
         for (int first = t; first < vectors; first += kRowsUnroll * group) {
-            uint4 wv[kRowsUnroll];
-#pragma unroll
-            for (int u = 0; u < kRowsUnroll; ++u) {
-                const int v = first + u * group;
-                wv[u] = v < vectors ? load_stream_16B(w_row + v) : make_uint4(0, 0, 0, 0);
-            }
+            if (first != t) load_round(first);
 #pragma unroll
             for (int u = 0; u < kRowsUnroll; ++u) {
                 const int v = first + u * group;
@@ -54,7 +62,7 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
                     for (int n = 0; n < TOKENS; ++n) {
                         if (TOKENS == 1 || n < tokens) {
                             float xf[8];
-                            unpack8<T>(__ldg(x_row + n * token_stride + v), xf);
+                            unpack8<T>(load_coherent_16B(x_row + n * token_stride + v), xf);
 #pragma unroll
                             for (int e = 0; e < 8; ++e) acc[n][e] = fmaf(wf[e], xf[e], acc[n][e]);
                         }
@@ -88,8 +96,10 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
             for (int n = 0; n < TOKENS; ++n)
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
-                    if (e < slots && (TOKENS == 1 || n < tokens))
-                        y[n * out_stride + row * d + 8 * t + e] = from_float<T>(acc[n][e]);
+                    if (e < slots && (TOKENS == 1 || n < tokens)) {
+                        T& out = y[n * out_stride + row * d + 8 * t + e];
+                        out = from_float<T>(accumulate ? acc[n][e] + to_float(out) : acc[n][e]);
+                    }
         return;
     }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -106,7 +116,8 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
             const int n = o / d, l = o % d;
             float sum = 0.f;
             for (int k = 0; k < group / 32; ++k) sum += partial[first_warp + k][n][l];  // fixed order
-            y[n * out_stride + row * d + l] = from_float<T>(sum);
+            T& out = y[n * out_stride + row * d + l];
+            out = from_float<T>(accumulate ? sum + to_float(out) : sum);
         }
 }
 
@@ -120,29 +131,29 @@ int rows_group(int64_t c, int64_t d) {
 
 template <typename T, int TOKENS>
 void launch_rows_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                 cudaStream_t stream) {
+                     bool accumulate, cudaStream_t stream) {
     const int group = rows_group(c, d);
     const int64_t rows_per_block = kThreads / group;
     const int64_t blocks = (a * b + rows_per_block - 1) / rows_per_block;
-    ksmm_rows_kernel<T, TOKENS><<<(unsigned)blocks, kThreads, 0, stream>>>(x, w, y, (int)tokens, (int)a, (int)b,
-                                                                          (int)c, (int)d, group);
+    launch_with_pdl(ksmm_rows_kernel<T, TOKENS>, dim3((unsigned)blocks), dim3(kThreads), 0, stream, true, x, w, y,
+                    (int)tokens, (int)a, (int)b, (int)c, (int)d, group, accumulate);
 }
 
 }  // namespace
 
 template <typename T>
 void launch_rows(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                 cudaStream_t stream) {
-    if (tokens <= 1) return launch_rows_for<T, 1>(x, w, y, tokens, a, b, c, d, stream);
-    if (tokens <= 2) return launch_rows_for<T, 2>(x, w, y, tokens, a, b, c, d, stream);
-    if (tokens <= 4) return launch_rows_for<T, 4>(x, w, y, tokens, a, b, c, d, stream);
-    if (tokens <= 8) return launch_rows_for<T, 8>(x, w, y, tokens, a, b, c, d, stream);
-    return launch_rows_for<T, 16>(x, w, y, tokens, a, b, c, d, stream);
+                 bool accumulate, cudaStream_t stream) {
+    if (tokens <= 1) return launch_rows_for<T, 1>(x, w, y, tokens, a, b, c, d, accumulate, stream);
+    if (tokens <= 2) return launch_rows_for<T, 2>(x, w, y, tokens, a, b, c, d, accumulate, stream);
+    if (tokens <= 4) return launch_rows_for<T, 4>(x, w, y, tokens, a, b, c, d, accumulate, stream);
+    if (tokens <= 8) return launch_rows_for<T, 8>(x, w, y, tokens, a, b, c, d, accumulate, stream);
+    return launch_rows_for<T, 16>(x, w, y, tokens, a, b, c, d, accumulate, stream);
 }
 
-template void launch_rows<half>(const half*, const half*, half*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          cudaStream_t);
+template void launch_rows<half>(const half*, const half*, half*, int64_t, int64_t, int64_t, int64_t, int64_t, bool,
+                                cudaStream_t);
 template void launch_rows<__nv_bfloat16>(const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, int64_t, int64_t,
-                                   int64_t, int64_t, int64_t, cudaStream_t);
+                                         int64_t, int64_t, int64_t, bool, cudaStream_t);
 
 }  // namespace minfer::ksmm_detail

@@ -159,9 +159,10 @@ class KSWeight(WeightFormat):
 
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        """Where ops.ksmm runs the gemv kernel (2..KSMM_ROWS_MAX_TOKENS tokens; one token goes to the faster rows
-        kernel, unfused), the norm runs inside the first factor's kernel and the MLP activation or the residual add
-        inside the last one's (ops.ksmm_gemv); a step a factor's kernel cannot fuse runs as its own op."""
+        """Where ops.ksmm runs the gemv kernel (2..KSMM_ROWS_MAX_TOKENS tokens), the norm runs inside the first
+        factor's kernel and the MLP activation or the residual add inside the last one's (ops.ksmm_gemv); at one
+        token the rows kernel runs, with the residual add alone fused. A step a factor's kernel cannot fuse runs as
+        its own op."""
         tokens = x.numel() // max(self.in_features, 1)
         if not (ops.use_kernels(x) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES
                 and 1 <= tokens <= ops.KSMM_ROWS_MAX_TOKENS and not (silu_mul and residual is not None)):
@@ -174,7 +175,7 @@ class KSWeight(WeightFormat):
 
         fuse_norm = norm_weight is not None and gemv_fuses(first)
         fuse_silu = silu_mul and gemv_fuses(last, silu=True)
-        fuse_residual = residual is not None and residual.is_contiguous() and gemv_fuses(last)
+        fuse_residual = residual is not None and residual.is_contiguous() and ops.ksmm_gemv_fuses(last, tokens)
         flat = x.reshape(tokens, self.in_features).contiguous()
         if norm_weight is not None and not fuse_norm:
             flat = ops.rms_norm(flat, norm_weight, eps)
