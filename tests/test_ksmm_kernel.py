@@ -170,7 +170,7 @@ def test_fused_gemv_under_the_sanitizer(pattern, tokens, fusion):
     kernel's residual add after its shared-memory reduction (one token)."""
     x, factor, norm, residual = fused_problem(pattern, tokens, torch.float16, fusion)
     silu = fusion.get("silu_mul", False)
-    expected = ops.ksmm_gemv_reference(x.double(), factor.double(), norm.double(), 1e-5,
+    expected = ops.ksmm_gemv_reference(x.double(), factor.double(), None if norm is None else norm.double(), 1e-5,
                                        None if residual is None else residual.double(), silu)
     got = ops.ksmm_gemv(x, factor, residual, norm_weight=norm, eps=1e-5, accumulate=residual is not None,
                         silu_mul=silu)
