@@ -92,10 +92,15 @@ const char* launch_blocksparse_attention(const void* q, AttnStrides q_strides, c
                                (int)batch, (int)seq_len, (int)((seq_len + kBlocksparseTile - 1) / kBlocksparseTile),
                                (int)q_heads, (int)kv_heads, (int)layout_heads, scale * kLog2e};
     const Shape shape{batch, q_heads, kv_heads, seq_len, dtype};
-    if (kernel == BlocksparseKernel::kAuto)
-        kernel = device_is_sm90() ? BlocksparseKernel::kWgmma : BlocksparseKernel::kMma;
-    if (dtype == DType::kFloat16) return launch_for_dim<half>(params, head_dim, shape, kernel, stream);
-    return launch_for_dim<__nv_bfloat16>(params, head_dim, shape, kernel, stream);
+    auto launch = [&](BlocksparseKernel which) {
+        return dtype == DType::kFloat16 ? launch_for_dim<half>(params, head_dim, shape, which, stream)
+                                        : launch_for_dim<__nv_bfloat16>(params, head_dim, shape, which, stream);
+    };
+    if (kernel != BlocksparseKernel::kAuto) return launch(kernel);
+    if (!device_is_sm90()) return launch(BlocksparseKernel::kMma);
+    // ws-grid was the fastest at 16k dense causal and close at the sparse layouts (docs/perf-notes.md); where
+    // the TMA maps cannot describe the tensors it launches nothing, and the wgmma kernel runs instead.
+    return launch(BlocksparseKernel::kWsGrid) == nullptr ? nullptr : launch(BlocksparseKernel::kWgmma);
 }
 
 }  // namespace minfer

@@ -7,9 +7,10 @@ namespace minfer {
 // Query and key tile of the kernel, in tokens: the compact layout's lists are at this granularity.
 constexpr int kBlocksparseTile = 64;
 
-// Which kernel runs: auto picks wgmma on sm_90 (built for sm_90a), mma.sync elsewhere. The warp-specialized
-// wgmma kernel (ws: TMA producer, consumers in ping-pong, persistent grid) and two of its levers turned off
-// (ws-grid: one pair per block; ws-nopp: no ping-pong) are sm_90a candidates beside wgmma.
+// Which kernel runs. The warp-specialized wgmma kernel (ws: TMA producer, consumers in ping-pong, persistent
+// grid) and two of its levers turned off (ws-grid: one query-tile pair per block; ws-nopp: no ping-pong) run
+// on sm_90a beside the plain wgmma kernel; mma.sync runs anywhere. auto picks ws-grid on sm_90 (wgmma where
+// the tensors' strides defeat its TMA maps), mma.sync elsewhere.
 enum class BlocksparseKernel : int { kAuto = 0, kWgmma = 1, kMma = 2, kWs = 3, kWsGrid = 4, kWsNoPingPong = 5 };
 
 // A [B, H, S, D] tensor's element strides for batch, head and position (the last dim is contiguous).

@@ -1,13 +1,15 @@
 // 2:4 decode GEMV on the dense tensor cores. The GEMV is bound by streaming the weights once, so the
 // kept values are expanded to dense pairs in registers (two byte permutes per group, their selectors
-// from a 256-entry shared table indexed by a metadata byte) and fed to mma.m16n8k16 exactly as the
-// dense GEMV feeds W: 0.5625 of its bytes, the same instruction stream otherwise.
+// computed from the group's metadata nibble) and fed to mma.m16n8k16 exactly as the dense GEMV feeds
+// W: 0.5625 of its bytes, the same instruction stream otherwise.
 // One block per 16-row tile (with silu_mul: 8 gate rows and their 8 up rows); its warps take
-// interleaved steps along K. A warp step is 4 chunks of 32 columns, lane (g, t) holding chunk t of
-// rows g and g + 8 (32 bytes of values and one metadata word each) and of token g's x (tokens 8..15:
-// a second mma tile). Group j of a chunk is one m16n8k16: its slots 0,1 are the lane's k slots
-// 2t, 2t+1 and its slots 2,3 the k slots 2t+8, 2t+9, for A and B alike. The next step's loads are in
-// flight while a step multiplies; the warps' partials are reduced in shared memory in a fixed order.
+// interleaved steps along K. A warp step is 4 chunks of 32 columns (8 16-byte value pieces per row):
+// lane (g, t) reads pieces t and t + 4 of rows g and g + 8, so each load instruction of a warp covers
+// 64 contiguous bytes of a row (whole 32-byte sectors), with the two metadata words those pieces need
+// and the matching 16 words of token g's x (tokens 8..15: a second mma tile). Group j of the lane's
+// pieces is one m16n8k16: its slots 0,1 are the lane's k slots 2t, 2t+1 and its slots 2,3 the k slots
+// 2t+8, 2t+9, for A and B alike. The next step's loads are in flight while a step multiplies; the warps'
+// partials are reduced in shared memory in a fixed order.
 // Fusions (launch.h) as in the dense GEMV: g * x rounded to the dtype feeds the mmas and the per-token
 // RMS scale is applied in the epilogue; the residual is read before the main loop and added there.
 #include "sparse24.h"
@@ -19,23 +21,15 @@ namespace {
 
 constexpr int kTileRows = 16;
 constexpr int kStepChunks = 4;               // chunks of one row per warp step (lanes t = 0..3)
-constexpr int kChunkPieces = 4;              // 16-byte x pieces of a chunk (8 columns each)
 constexpr int kWarps = 8;
 constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
+constexpr uint32_t kPaddingMeta = 0x44444444u;  // slots 0, 1 in every group: the encoding of padding
 
 // The byte-permute selector expanding one group's kept pair (a 32-bit word: value 0 low, value 1 high)
 // into its 4 slots: low 16 bits for slots 0,1, high 16 bits for slots 2,3; a slot not kept reads zero.
 __device__ __forceinline__ uint32_t slot_selector(uint32_t nibble) {
     const uint32_t first = nibble & 3u, second = (nibble >> 2) & 3u;
     return kZeroSlots ^ (0x54u << (8 * first)) ^ (0x76u << (8 * second));  // 0x44 ^ 0x54 = 0x10, ^ 0x76 = 0x32
-}
-
-// Per metadata byte (two groups): {group 0 slots 0-1, slots 2-3, group 1 slots 0-1, slots 2-3}.
-__device__ __forceinline__ void fill_selector_table(uint4* table) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-        const uint32_t lo = slot_selector(i & 15), hi = slot_selector(i >> 4);
-        table[i] = make_uint4(lo, lo >> 16, hi, hi >> 16);
-    }
 }
 
 __device__ __forceinline__ uint4 load_readonly_16B(const void* ptr) {
@@ -50,90 +44,96 @@ __device__ __forceinline__ uint32_t component(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, two per chunk, and
-// metadata words), x of token g (and g + 8) as 16-byte pieces, and the norm weight.
+// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, metadata words), x of
+// token g (and g + 8), and the norm weight.
 struct LaneArrays {
     const uint4* values[2];
-    const int32_t* meta[2];
-    const uint4* x[2];
-    const uint4* norm;
+    const uint32_t* meta[2];
+    const uint32_t* x[2];
+    const uint32_t* norm;
     int chunks;    // metadata words per row
-    int x_pieces;  // 16-byte pieces of a row of x: cols / 8
+    int x_words;   // 4-byte words of a row of x: cols / 2
 };
 
-// One warp step held in registers between load and multiply. `valid` is false for the lanes past a
-// row's last chunk: they feed zeros.
+// One warp step (16 rows x 128 columns) held in registers between load and multiply: 64 bytes of values
+// of each of the lane's two rows, their metadata words, and 16 words (32 columns) of x per token tile.
+// Loads past a row's end feed zeros.
 template <typename T, int kTiles, bool kNorm>
 struct WarpStep {
-    uint4 w[2][2];  // [row g, row g + 8][piece]
-    uint32_t m[2];
-    uint4 xv[kTiles][kChunkPieces];
-    uint4 gv[kNorm ? kChunkPieces : 1];
+    uint4 w[2][2];       // [row g, row g + 8][piece t, piece t + 4]
+    uint32_t mw[2][2];   // [row][metadata word of piece t, of piece t + 4]
+    uint32_t xw[kTiles][16];
+    uint32_t gw[kNorm ? 16 : 1];
 
-    __device__ __forceinline__ void load_weights(const LaneArrays& a, int chunk) {
-        const bool valid = chunk < a.chunks;
+    // Word i of this lane's 16 x words of step `step` (an index into the row of x).
+    __device__ __forceinline__ static int x_word(int step, int t, int i) {
+        return step * 64 + 8 * t + (i / 8) * 32 + i % 8;
+    }
+
+    __device__ __forceinline__ void load_weights(const LaneArrays& a, int step, int t) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            w[r][0] = valid ? load_stream_16B(a.values[r] + 2 * chunk) : make_uint4(0, 0, 0, 0);
-            w[r][1] = valid ? load_stream_16B(a.values[r] + 2 * chunk + 1) : make_uint4(0, 0, 0, 0);
-            m[r] = valid ? __ldg(reinterpret_cast<const unsigned int*>(a.meta[r]) + chunk) : 0u;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int piece = step * 8 + t + 4 * i;
+                w[r][i] = piece < 2 * a.chunks ? load_stream_16B(a.values[r] + piece) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int word = step * 4 + t / 2 + 2 * i;
+                mw[r][i] = word < a.chunks ? __ldg(a.meta[r] + word) : kPaddingMeta;
+            }
         }
     }
 
-    __device__ __forceinline__ void load_x(const LaneArrays& a, int chunk) {
+    __device__ __forceinline__ void load_x(const LaneArrays& a, int step, int t) {
 #pragma unroll
-        for (int p = 0; p < kChunkPieces; ++p) {
-            const int piece = chunk * kChunkPieces + p;
-            const bool valid = piece < a.x_pieces;
+        for (int p = 0; p < 4; ++p) {
+            const int word = x_word(step, t, 4 * p);
+            const bool valid = word < a.x_words;
 #pragma unroll
-            for (int tile = 0; tile < kTiles; ++tile)
-                xv[tile][p] = valid ? load_coherent_16B(a.x[tile] + piece) : make_uint4(0, 0, 0, 0);
-            if constexpr (kNorm) gv[p] = valid ? load_readonly_16B(a.norm + piece) : make_uint4(0, 0, 0, 0);
+            for (int tile = 0; tile < kTiles; ++tile) {
+                const uint4 v = valid ? load_coherent_16B(a.x[tile] + word) : make_uint4(0, 0, 0, 0);
+                xw[tile][4 * p] = v.x, xw[tile][4 * p + 1] = v.y, xw[tile][4 * p + 2] = v.z, xw[tile][4 * p + 3] = v.w;
+            }
+            if constexpr (kNorm) {
+                const uint4 v = valid ? load_readonly_16B(a.norm + word) : make_uint4(0, 0, 0, 0);
+                gw[4 * p] = v.x, gw[4 * p + 1] = v.y, gw[4 * p + 2] = v.z, gw[4 * p + 3] = v.w;
+            }
         }
     }
 
     // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g.
     __device__ __forceinline__ void apply_norm(float (&sum_sq)[kTiles]) {
 #pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile) {
+        for (int tile = 0; tile < kTiles; ++tile)
 #pragma unroll
-            for (int p = 0; p < kChunkPieces; ++p) {
-                auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
-                    const float2 f = pair_to_float2<T>(xw);
-                    sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
-                    xw = multiply_pairs<T>(xw, gw);
-                };
-                scale_pair(xv[tile][p].x, gv[p].x);
-                scale_pair(xv[tile][p].y, gv[p].y);
-                scale_pair(xv[tile][p].z, gv[p].z);
-                scale_pair(xv[tile][p].w, gv[p].w);
+            for (int i = 0; i < 16; ++i) {
+                const float2 f = pair_to_float2<T>(xw[tile][i]);
+                sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
+                xw[tile][i] = multiply_pairs<T>(xw[tile][i], gw[i]);
             }
-        }
     }
 
     // Eight m16n8k16 per token tile, one per group, alternating two accumulators.
-    __device__ __forceinline__ void multiply(const uint4* selectors, float (&acc)[kTiles][2][4]) const {
-        uint4 sel[2][4];  // [row][metadata byte]
+    // The lane's 8 groups' nibbles: those of piece t from the first word, of piece t + 4 from the second.
+    __device__ __forceinline__ void multiply(int t, float (&acc)[kTiles][2][4]) const {
+        uint32_t m[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) sel[r][b] = selectors[(m[r] >> (8 * b)) & 0xFFu];
+        for (int r = 0; r < 2; ++r) m[r] = __byte_perm(mw[r][0], mw[r][1], (t & 1) ? 0x7632 : 0x5410);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             uint32_t a[4];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const uint32_t pair = component(w[r][j / 4], j % 4);
-                const uint4& s = sel[r][j / 2];
-                a[r] = __byte_perm(pair, 0u, (j & 1) ? s.z : s.x);      // slots 0, 1
-                a[2 + r] = __byte_perm(pair, 0u, (j & 1) ? s.w : s.y);  // slots 2, 3
+                const uint32_t lo = slot_selector((m[r] >> (4 * j)) & 15u), hi = lo >> 16;
+                a[r] = __byte_perm(pair, 0u, lo);      // slots 0, 1
+                a[2 + r] = __byte_perm(pair, 0u, hi);  // slots 2, 3
             }
 #pragma unroll
-            for (int tile = 0; tile < kTiles; ++tile) {
-                const uint4& x = xv[tile][j / 2];
-                const uint32_t b0 = (j & 1) ? x.z : x.x, b1 = (j & 1) ? x.w : x.y;
-                mma_m16n8k16<T>(acc[tile][j & 1], a, b0, b1);
-            }
+            for (int tile = 0; tile < kTiles; ++tile)
+                mma_m16n8k16<T>(acc[tile][j & 1], a, xw[tile][2 * j], xw[tile][2 * j + 1]);
         }
     }
 };
@@ -145,7 +145,6 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
                          float eps, bool accumulate) {
-    __shared__ uint4 selectors[256];
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
@@ -157,24 +156,21 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     LaneArrays arrays;
     arrays.values[0] = reinterpret_cast<const uint4*>(values) + rows_lo * value_pieces;
     arrays.values[1] = reinterpret_cast<const uint4*>(values) + rows_hi * value_pieces;
-    arrays.meta[0] = meta + (int64_t)rows_lo * chunks;
-    arrays.meta[1] = meta + (int64_t)rows_hi * chunks;
-    arrays.x_pieces = k / 8;
+    arrays.meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)rows_lo * chunks;
+    arrays.meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)rows_hi * chunks;
+    arrays.x_words = k / 2;
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile) {  // lanes past the last token read token 0: their outputs are not stored
         const int token = g + 8 * tile < tokens ? g + 8 * tile : 0;
-        arrays.x[tile] = reinterpret_cast<const uint4*>(x) + (int64_t)token * arrays.x_pieces;
+        arrays.x[tile] = reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words;
     }
-    arrays.norm = reinterpret_cast<const uint4*>(norm_weight);
+    arrays.norm = reinterpret_cast<const uint32_t*>(norm_weight);
     arrays.chunks = chunks;
 
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    auto chunk_of = [&](int step) { return step * kStepChunks + t; };
     using Step = WarpStep<T, kTiles, kNorm>;
     Step current;
-    if (warp < steps) current.load_weights(arrays, chunk_of(warp));
-    fill_selector_table(selectors);
-    __syncthreads();
+    if (warp < steps) current.load_weights(arrays, warp, t);
     wait_for_previous_kernel();
     // The residual is read here, so its round trip overlaps the multiplies (warp 0 writes the outputs).
     float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
@@ -189,18 +185,18 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
-    if (warp < steps) current.load_x(arrays, chunk_of(warp));
+    if (warp < steps) current.load_x(arrays, warp, t);
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
     for (int step = warp; step < steps; step += kWarps) {
         Step next;
         if (step + kWarps < steps) {
-            next.load_weights(arrays, chunk_of(step + kWarps));
-            next.load_x(arrays, chunk_of(step + kWarps));
+            next.load_weights(arrays, step + kWarps, t);
+            next.load_x(arrays, step + kWarps, t);
         }
         if constexpr (kNorm) current.apply_norm(sum_sq);
-        current.multiply(selectors, acc);
+        current.multiply(t, acc);
         current = next;
     }
 

@@ -118,9 +118,9 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def kernel_variants() -> tuple[str, ...]:
-    """The kernels timed beside the default (wgmma on sm_90) at every length and in the kept-fraction sweep:
-    the warp-specialized candidates and mma.sync."""
-    return ("ws", "ws-grid", "ws-nopp", "mma") if torch.cuda.get_device_capability()[0] == 9 else ()
+    """The kernels timed beside the default (ws-grid on sm_90) at every length and in the kept-fraction sweep:
+    the other warp-specialized variants, the plain wgmma kernel and mma.sync."""
+    return ("ws", "ws-nopp", "wgmma", "mma") if torch.cuda.get_device_capability()[0] == 9 else ()
 
 
 def prefill_row(layout_name: str, seq_len: int, dtype: torch.dtype, copy_gbs: float, tflops_ceiling: float,

@@ -13,7 +13,7 @@ from ..errors import MinferError
 from .runtime import fake_impl, use_kernels
 
 BLOCKSPARSE_TILE = 64  # kBlocksparseTile (blocksparse_attention.h): query and key tiles are 64 tokens
-BLOCKSPARSE_KERNELS = ("auto", "wgmma", "ws", "ws-grid", "ws-nopp", "mma")  # "auto" is wgmma on sm_90, mma elsewhere
+BLOCKSPARSE_KERNELS = ("auto", "wgmma", "ws", "ws-grid", "ws-nopp", "mma")  # "auto": ws-grid on sm_90, mma elsewhere
 REFERENCE_ROWS = 1024  # query rows per step of the reference: bounds its [rows, S] score matrix
 
 
