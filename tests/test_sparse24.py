@@ -96,12 +96,6 @@ def test_gemv_reference_path_on_cpu_with_fusions():
         ops.sparse24_gemv(torch.randn(1, 100, dtype=torch.float16), fmt.values, fmt.meta)
 
 
-@pytest.fixture(params=["0", "1", "2", "3", "4"], ids=lambda v: f"variant{v}")
-def gemv_variant(request, monkeypatch):
-    monkeypatch.setenv("MINFER_SPARSE24_GEMV_VARIANT", request.param)
-    return request.param
-
-
 # (N, K): N off the 16-row tile; K with a partial last 4-chunk step, steps not a multiple of the 8 warps,
 # a chunk past K (K % 32 != 0); K % 8 != 0 runs the scalar fallback; the Llama-2-7B down projection.
 SHAPES = [(1, 8), (70, 200), (77, 1000), (129, 4096), (300, 4104), (33, 1001), (4096, 11008)]
@@ -111,7 +105,7 @@ SHAPES = [(1, 8), (70, 200), (77, 1000), (129, 4096), (300, 4104), (33, 1001), (
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 9, 13, 16])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_gemv_matches_float64(n, k, tokens, dtype, gemv_variant):
+def test_gemv_matches_float64(n, k, tokens, dtype):
     w = matrix_24(n, k, dtype, "cuda", seed=n + k)
     fmt = Sparse24.from_dense(w)
     x = torch.randn(tokens, k, dtype=dtype, device="cuda")
@@ -126,7 +120,7 @@ def test_gemv_matches_float64(n, k, tokens, dtype, gemv_variant):
 @pytest.mark.parametrize("n,k", [(70, 200), (34, 203)])
 @pytest.mark.parametrize("fusion", [dict(norm=True), dict(residual=True), dict(norm=True, silu_mul=True),
                                     dict(norm=True, residual=True), dict(silu_mul=True)], ids=lambda f: "+".join(f))
-def test_fused_epilogues_match_the_unfused_path(n, k, tokens, dtype, fusion, gemv_variant):
+def test_fused_epilogues_match_the_unfused_path(n, k, tokens, dtype, fusion):
     w = matrix_24(n, k, dtype, "cuda", seed=3)
     fmt = Sparse24.from_dense(w)
     x = torch.randn(tokens, k, dtype=dtype, device="cuda")
@@ -162,7 +156,7 @@ def test_decompress_kernel_matches_the_reference(n, k, dtype):
 
 @requires_cuda
 @pytest.mark.racecheck
-def test_sublayer_chain_in_cuda_graph(gemv_variant):
+def test_sublayer_chain_in_cuda_graph():
     """The o projection adds into the residual; the next qkv projection reads it with the norm fused, in one
     graph (the PDL wait must order them)."""
     n, k = 96, 256

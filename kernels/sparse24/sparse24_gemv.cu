@@ -13,17 +13,15 @@
 #include "sparse24.h"
 #include "common/device_utils.cuh"
 
-#include <cstdlib>
-
 namespace minfer {
 
 namespace {
 
 constexpr int kTileRows = 16;
 constexpr int kStepChunks = 4;               // chunks of one row per warp step (lanes t = 0..3)
+constexpr int kChunkPieces = 4;              // 16-byte x pieces of a chunk (8 columns each)
 constexpr int kWarps = 8;
 constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
-constexpr uint32_t kPaddingMeta = 0x44444444u;  // slots 0, 1 in every group: the encoding of padding
 
 // The byte-permute selector expanding one group's kept pair (a 32-bit word: value 0 low, value 1 high)
 // into its 4 slots: low 16 bits for slots 0,1, high 16 bits for slots 2,3; a slot not kept reads zero.
@@ -48,222 +46,106 @@ __device__ __forceinline__ uint4 load_readonly_16B(const void* ptr) {
     return r;
 }
 
-// A coherent 4-byte load, for activations read after the PDL wait (device_utils.cuh says why).
-__device__ __forceinline__ uint32_t load_coherent_4B(const void* ptr) {
-    uint32_t r;
-    asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(ptr) : "memory");
-    return r;
-}
-
 __device__ __forceinline__ uint32_t component(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Measured variants of the lane mapping and the expansion (selected at launch).
-//  kBase: lane t reads chunk t of a step (value pieces 2t, 2t + 1: every 16-byte load uses half of each
-//    32-byte sector it touches); selectors from the shared table.
-//  kCoalesced: lane t reads value pieces t and t + 4 of the step's 8 per row (each load instruction covers
-//    64 contiguous bytes of a row: whole sectors); selectors from the shared table.
-//  kCoalescedRegisterSelectors: kCoalesced with the selectors computed in registers.
-//  kSparseMmaA / kSparseMmaB: kCoalesced's loads fed to mma.sp m16n8k32 (no expansion), the metadata
-//    register assembled under hypothesis A (lane t = 0, 1: rows g and g + 8, logical groups 4t..4t+3) or
-//    B (lane 0: row g's 8 groups, lane 1: row g + 8's).
-enum GemvVariant : int {
-    kBase = 0,
-    kCoalesced = 1,
-    kCoalescedRegisterSelectors = 2,
-    kSparseMmaA = 3,
-    kSparseMmaB = 4,
-};
-constexpr bool uses_table(int variant) { return variant == kBase || variant == kCoalesced; }
-constexpr bool uses_sparse_mma(int variant) { return variant == kSparseMmaA || variant == kSparseMmaB; }
-
-// D += A * B on the sparse tensor cores: A 16x32 2:4 (its kept 16x16 in a), metadata e from lanes t = 0, 1.
-template <typename T>
-__device__ __forceinline__ void mma_sp_m16n8k32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[4],
-                                                uint32_t e) {
-    if constexpr (std::is_same_v<T, half>)
-        asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
-    else
-        asm("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
-}
-
-// The 16 metadata bits of nibbles q and q + 4 of words w0 and w1, in the order w0[q], w0[q + 4], w1[q], w1[q + 4].
-__device__ __forceinline__ uint32_t gather_nibbles(uint32_t w0, uint32_t w1, int q) {
-    uint32_t a = (w0 >> (4 * q)) & 0x000F000Fu, b = (w1 >> (4 * q)) & 0x000F000Fu;
-    a = (a | (a >> 12)) & 0xFFu;
-    b = (b | (b >> 12)) & 0xFFu;
-    return a | (b << 8);
-}
-
-// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, metadata words), x of
-// token g (and g + 8), and the norm weight.
+// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, two per chunk, and
+// metadata words), x of token g (and g + 8) as 16-byte pieces, and the norm weight.
 struct LaneArrays {
     const uint4* values[2];
-    const uint32_t* meta[2];
-    const uint32_t* x[2];
-    const uint32_t* norm;
+    const int32_t* meta[2];
+    const uint4* x[2];
+    const uint4* norm;
     int chunks;    // metadata words per row
-    int x_words;   // 4-byte words of a row of x: cols / 2
+    int x_pieces;  // 16-byte pieces of a row of x: cols / 8
 };
 
-// One warp step (16 rows x 128 columns) held in registers between load and multiply: 64 bytes of values
-// of each of the lane's two rows, their metadata words, and 16 words (32 columns) of x per token tile.
-// Loads past a row's end feed zeros.
-template <typename T, int kTiles, bool kNorm, int kVariant>
+// One warp step held in registers between load and multiply. `valid` is false for the lanes past a
+// row's last chunk: they feed zeros.
+template <typename T, int kTiles, bool kNorm>
 struct WarpStep {
-    uint4 w[2][2];       // [row g, row g + 8][piece]
-    uint32_t mw[2][4];   // [row][metadata word] (kBase: 1, kCoalesced*: 2, sparse mma: 4 used)
-    uint32_t xw[kTiles][16];
-    uint32_t gw[kNorm ? 16 : 1];
+    uint4 w[2][2];  // [row g, row g + 8][piece]
+    uint32_t m[2];
+    uint4 xv[kTiles][kChunkPieces];
+    uint4 gv[kNorm ? kChunkPieces : 1];
 
-    // Word i of this lane's 16 x words of step `step` (an index into the row of x).
-    __device__ __forceinline__ static int x_word(int step, int t, int i) {
-        if constexpr (kVariant == kBase) return step * 64 + 16 * t + i;
-        else if constexpr (!uses_sparse_mma(kVariant)) return step * 64 + 8 * t + (i / 8) * 32 + i % 8;
-        else {
-            // mma m = i / 4 of the step, register i % 4: physical group p1 + 8 (i & 1) + (i >> 1) % 2, half t & 1
-            const int m = i / 4, reg = i % 4;
-            const int group = 16 * (m / 2) + 4 * (t / 2) + 2 * (m % 2) + 8 * (reg & 1) + (reg >> 1);
-            return step * 64 + 2 * group + (t & 1);
-        }
-    }
-
-    __device__ __forceinline__ void load_weights(const LaneArrays& a, int step, int t) {
+    __device__ __forceinline__ void load_weights(const LaneArrays& a, int chunk) {
+        const bool valid = chunk < a.chunks;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int piece = kVariant == kBase ? step * 8 + 2 * t + i : step * 8 + t + 4 * i;
-                w[r][i] = piece < 2 * a.chunks ? load_stream_16B(a.values[r] + piece) : make_uint4(0, 0, 0, 0);
-            }
-            constexpr int kWords = kVariant == kBase ? 1 : uses_sparse_mma(kVariant) ? 4 : 2;
-#pragma unroll
-            for (int i = 0; i < kWords; ++i) {
-                const int word = kVariant == kBase ? step * 4 + t
-                                 : uses_sparse_mma(kVariant) ? step * 4 + i
-                                                             : step * 4 + t / 2 + 2 * i;
-                mw[r][i] = word < a.chunks ? __ldg(a.meta[r] + word) : kPaddingMeta;
-            }
+            w[r][0] = valid ? load_stream_16B(a.values[r] + 2 * chunk) : make_uint4(0, 0, 0, 0);
+            w[r][1] = valid ? load_stream_16B(a.values[r] + 2 * chunk + 1) : make_uint4(0, 0, 0, 0);
+            m[r] = valid ? __ldg(reinterpret_cast<const unsigned int*>(a.meta[r]) + chunk) : 0u;
         }
     }
 
-    __device__ __forceinline__ void load_x(const LaneArrays& a, int step, int t) {
-        if constexpr (!uses_sparse_mma(kVariant)) {
+    __device__ __forceinline__ void load_x(const LaneArrays& a, int chunk) {
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                const int word = x_word(step, t, 4 * p);
-                const bool valid = word < a.x_words;
+        for (int p = 0; p < kChunkPieces; ++p) {
+            const int piece = chunk * kChunkPieces + p;
+            const bool valid = piece < a.x_pieces;
 #pragma unroll
-                for (int tile = 0; tile < kTiles; ++tile) {
-                    const uint4 v = valid ? load_coherent_16B(a.x[tile] + word) : make_uint4(0, 0, 0, 0);
-                    xw[tile][4 * p] = v.x, xw[tile][4 * p + 1] = v.y, xw[tile][4 * p + 2] = v.z, xw[tile][4 * p + 3] = v.w;
-                }
-                if constexpr (kNorm) {
-                    const uint4 v = valid ? load_readonly_16B(a.norm + word) : make_uint4(0, 0, 0, 0);
-                    gw[4 * p] = v.x, gw[4 * p + 1] = v.y, gw[4 * p + 2] = v.z, gw[4 * p + 3] = v.w;
-                }
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int word = x_word(step, t, i);
-                const bool valid = word < a.x_words;
-#pragma unroll
-                for (int tile = 0; tile < kTiles; ++tile) xw[tile][i] = valid ? load_coherent_4B(a.x[tile] + word) : 0u;
-                if constexpr (kNorm) gw[i] = valid ? __ldg(a.norm + word) : 0u;
-            }
+            for (int tile = 0; tile < kTiles; ++tile)
+                xv[tile][p] = valid ? load_coherent_16B(a.x[tile] + piece) : make_uint4(0, 0, 0, 0);
+            if constexpr (kNorm) gv[p] = valid ? load_readonly_16B(a.norm + piece) : make_uint4(0, 0, 0, 0);
         }
     }
 
     // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g.
     __device__ __forceinline__ void apply_norm(float (&sum_sq)[kTiles]) {
 #pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile)
+        for (int tile = 0; tile < kTiles; ++tile) {
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const float2 f = pair_to_float2<T>(xw[tile][i]);
-                sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
-                xw[tile][i] = multiply_pairs<T>(xw[tile][i], gw[i]);
+            for (int p = 0; p < kChunkPieces; ++p) {
+                auto scale_pair = [&](uint32_t& xw, uint32_t gw) {
+                    const float2 f = pair_to_float2<T>(xw);
+                    sum_sq[tile] = fmaf(f.x, f.x, fmaf(f.y, f.y, sum_sq[tile]));
+                    xw = multiply_pairs<T>(xw, gw);
+                };
+                scale_pair(xv[tile][p].x, gv[p].x);
+                scale_pair(xv[tile][p].y, gv[p].y);
+                scale_pair(xv[tile][p].z, gv[p].z);
+                scale_pair(xv[tile][p].w, gv[p].w);
             }
-    }
-
-    __device__ __forceinline__ void multiply(const uint4* selectors, int t, float (&acc)[kTiles][2][4]) const {
-        if constexpr (uses_sparse_mma(kVariant)) {
-            // Four m16n8k32 per token tile; mma m takes groups 2 (m % 2) and 2 (m % 2) + 1 of piece m / 2 of
-            // each row as its logical groups t and t + 4.
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                const int q = 2 * (m % 2);
-                const uint32_t a[4] = {component(w[0][m / 2], q), component(w[1][m / 2], q),
-                                       component(w[0][m / 2], q + 1), component(w[1][m / 2], q + 1)};
-                uint32_t e;
-                if constexpr (kVariant == kSparseMmaA) {
-                    const int qt = q + (t & 1);
-                    e = gather_nibbles(mw[0][2 * (m / 2)], mw[0][2 * (m / 2) + 1], qt) |
-                        (gather_nibbles(mw[1][2 * (m / 2)], mw[1][2 * (m / 2) + 1], qt) << 16);
-                } else {
-                    const uint32_t w0 = (t & 1) ? mw[1][2 * (m / 2)] : mw[0][2 * (m / 2)];
-                    const uint32_t w1 = (t & 1) ? mw[1][2 * (m / 2) + 1] : mw[0][2 * (m / 2) + 1];
-                    e = gather_nibbles(w0, w1, q) | (gather_nibbles(w0, w1, q + 1) << 16);
-                }
-#pragma unroll
-                for (int tile = 0; tile < kTiles; ++tile) {
-                    const uint32_t b[4] = {xw[tile][4 * m], xw[tile][4 * m + 1], xw[tile][4 * m + 2],
-                                           xw[tile][4 * m + 3]};
-                    mma_sp_m16n8k32<T>(acc[tile][m & 1], a, b, e);
-                }
-            }
-        } else {
-            multiply_expanded(selectors, t, acc);
         }
     }
 
     // Eight m16n8k16 per token tile, one per group, alternating two accumulators.
-    __device__ __forceinline__ void multiply_expanded(const uint4* selectors, int t, float (&acc)[kTiles][2][4]) const {
-        uint32_t m[2];
+    __device__ __forceinline__ void multiply(const uint4* selectors, float (&acc)[kTiles][2][4]) const {
+        uint4 sel[2][4];  // [row][metadata byte]
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            m[r] = kVariant == kBase ? mw[r][0] : __byte_perm(mw[r][0], mw[r][1], (t & 1) ? 0x7632 : 0x5410);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) sel[r][b] = selectors[(m[r] >> (8 * b)) & 0xFFu];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             uint32_t a[4];
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const uint32_t pair = component(w[r][j / 4], j % 4);
-                uint32_t lo, hi;
-                if constexpr (uses_table(kVariant)) {
-                    const uint4 s = selectors[(m[r] >> (8 * (j / 2))) & 0xFFu];
-                    lo = (j & 1) ? s.z : s.x;
-                    hi = (j & 1) ? s.w : s.y;
-                } else {
-                    lo = slot_selector((m[r] >> (4 * j)) & 15u);
-                    hi = lo >> 16;
-                }
-                a[r] = __byte_perm(pair, 0u, lo);      // slots 0, 1
-                a[2 + r] = __byte_perm(pair, 0u, hi);  // slots 2, 3
+                const uint4& s = sel[r][j / 2];
+                a[r] = __byte_perm(pair, 0u, (j & 1) ? s.z : s.x);      // slots 0, 1
+                a[2 + r] = __byte_perm(pair, 0u, (j & 1) ? s.w : s.y);  // slots 2, 3
             }
 #pragma unroll
-            for (int tile = 0; tile < kTiles; ++tile)
-                mma_m16n8k16<T>(acc[tile][j & 1], a, xw[tile][2 * j], xw[tile][2 * j + 1]);
+            for (int tile = 0; tile < kTiles; ++tile) {
+                const uint4& x = xv[tile][j / 2];
+                const uint32_t b0 = (j & 1) ? x.z : x.x, b1 = (j & 1) ? x.w : x.y;
+                mma_m16n8k16<T>(acc[tile][j & 1], a, b0, b1);
+            }
         }
     }
 };
 
 // One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
 // tiles take what they need (1 block).
-template <typename T, int kTiles, bool kNorm, bool kSiluMul, int kVariant>
+template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
                          float eps, bool accumulate) {
-    __shared__ uint4 selectors[uses_table(kVariant) ? 256 : 1];
+    __shared__ uint4 selectors[256];
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
@@ -275,25 +157,24 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     LaneArrays arrays;
     arrays.values[0] = reinterpret_cast<const uint4*>(values) + rows_lo * value_pieces;
     arrays.values[1] = reinterpret_cast<const uint4*>(values) + rows_hi * value_pieces;
-    arrays.meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)rows_lo * chunks;
-    arrays.meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)rows_hi * chunks;
-    arrays.x_words = k / 2;
+    arrays.meta[0] = meta + (int64_t)rows_lo * chunks;
+    arrays.meta[1] = meta + (int64_t)rows_hi * chunks;
+    arrays.x_pieces = k / 8;
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile) {  // lanes past the last token read token 0: their outputs are not stored
         const int token = g + 8 * tile < tokens ? g + 8 * tile : 0;
-        arrays.x[tile] = reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words;
+        arrays.x[tile] = reinterpret_cast<const uint4*>(x) + (int64_t)token * arrays.x_pieces;
     }
-    arrays.norm = reinterpret_cast<const uint32_t*>(norm_weight);
+    arrays.norm = reinterpret_cast<const uint4*>(norm_weight);
     arrays.chunks = chunks;
 
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    using Step = WarpStep<T, kTiles, kNorm, kVariant>;
+    auto chunk_of = [&](int step) { return step * kStepChunks + t; };
+    using Step = WarpStep<T, kTiles, kNorm>;
     Step current;
-    if (warp < steps) current.load_weights(arrays, warp, t);
-    if constexpr (uses_table(kVariant)) {
-        fill_selector_table(selectors);
-        __syncthreads();
-    }
+    if (warp < steps) current.load_weights(arrays, chunk_of(warp));
+    fill_selector_table(selectors);
+    __syncthreads();
     wait_for_previous_kernel();
     // The residual is read here, so its round trip overlaps the multiplies (warp 0 writes the outputs).
     float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
@@ -308,18 +189,18 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
-    if (warp < steps) current.load_x(arrays, warp, t);
+    if (warp < steps) current.load_x(arrays, chunk_of(warp));
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
     for (int step = warp; step < steps; step += kWarps) {
         Step next;
         if (step + kWarps < steps) {
-            next.load_weights(arrays, step + kWarps, t);
-            next.load_x(arrays, step + kWarps, t);
+            next.load_weights(arrays, chunk_of(step + kWarps));
+            next.load_x(arrays, chunk_of(step + kWarps));
         }
         if constexpr (kNorm) current.apply_norm(sum_sq);
-        current.multiply(selectors, t, acc);
+        current.multiply(selectors, acc);
         current = next;
     }
 
@@ -431,25 +312,13 @@ struct GemvArgs {
     cudaStream_t stream;
 };
 
-template <typename T, int kTiles, bool kNorm, bool kSiluMul, int kVariant>
-void launch_variant(const GemvArgs& a) {
+template <typename T, int kTiles, bool kNorm, bool kSiluMul>
+void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
-    launch_with_pdl(sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, kVariant>, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
+    launch_with_pdl(sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul>, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
                     a.stream, true, static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
                     static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
                     a.fusion.eps, a.fusion.accumulate);
-}
-
-template <typename T, int kTiles, bool kNorm, bool kSiluMul>
-void launch_mma(const GemvArgs& a) {
-    const char* chosen = std::getenv("MINFER_SPARSE24_GEMV_VARIANT");
-    switch (chosen ? std::atoi(chosen) : kBase) {
-        case kCoalesced: return launch_variant<T, kTiles, kNorm, kSiluMul, kCoalesced>(a);
-        case kCoalescedRegisterSelectors: return launch_variant<T, kTiles, kNorm, kSiluMul, kCoalescedRegisterSelectors>(a);
-        case kSparseMmaA: return launch_variant<T, kTiles, kNorm, kSiluMul, kSparseMmaA>(a);
-        case kSparseMmaB: return launch_variant<T, kTiles, kNorm, kSiluMul, kSparseMmaB>(a);
-        default: return launch_variant<T, kTiles, kNorm, kSiluMul, kBase>(a);
-    }
 }
 
 template <typename T, int kTiles>
