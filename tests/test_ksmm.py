@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from minfer.errors import FormatError
+from minfer.errors import CheckpointError, FormatError
 from minfer.formats.ksmm import KSWeight, project_chain
 from minfer.sparsity.factorize import chain_for, monarch_chain, parse_patterns
 from tests.helpers import APP, assert_input_error, in_process, load_app, tiny_random_model
@@ -161,11 +161,21 @@ def test_save_and_load_round_trip(tmp_path):
     layers, total = factorize_model(model, parse_patterns("monarch-50"))
     assert [e.layer for e in layers] == ["layers.0", "layers.1"] and 0 < total < 1
     folder = save_compressed(model, tmp_path / "ks")
+    config = json.loads((folder / "config.json").read_text())
+    for name, linear in model.projections():  # the patterns are readable from config.json too
+        entry = config["minfer"]["formats"][name]
+        assert entry["format"] == "ksmm" and entry["options"]["patterns"] == [list(p) for p in linear.fmt.patterns]
     resolved = ResolvedModel("tiny", model.config, folder, None, is_random=False)
     loaded = load_model(resolved, torch.float32, "cpu")
     for (name, saved), (_, restored) in zip(model.projections(), loaded.projections()):
         assert isinstance(restored.fmt, KSWeight) and restored.fmt.patterns == saved.fmt.patterns, name
         assert all(torch.equal(a, b) for a, b in zip(saved.fmt.factors, restored.fmt.factors))
+    entry = config["minfer"]["formats"]["layers.0.mlp.down_proj"]
+    entry["options"]["patterns"] = entry["options"]["patterns"][::-1]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r'config.json lists other formats under "minfer" than model.safetensors '
+                                              r'holds \(layers.0.mlp.down_proj\)'):
+        load_model(resolved, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -272,7 +272,8 @@ def test_save_and_load_compressed_round_trip(tmp_path):
 
 
 def test_a_folder_saved_before_options_were_recorded_still_loads(tmp_path):
-    """Earlier saves recorded each projection's format and shape only: they load with no options."""
+    """Earlier saves recorded each projection's format and shape only (and config.json no copy of them): they
+    load with no options."""
     from safetensors.torch import load_file, save_file
 
     from minfer.checkpoint import ResolvedModel, load_model
@@ -285,6 +286,9 @@ def test_a_folder_saved_before_options_were_recorded_still_loads(tmp_path):
                ((name, linear.fmt) for name, linear in model.projections())}
     save_file(load_file(str(file)), str(file),
               metadata={"format": "pt", METADATA_KEY: json.dumps(earlier), RANDOM_KEY: "false"})
+    config = json.loads((folder / "config.json").read_text())
+    del config["minfer"]  # nor did their config.json carry a copy of the layout
+    (folder / "config.json").write_text(json.dumps(config))
     resolved = ResolvedModel("tiny", model.config, folder, folder / "tokenizer.model", is_random=False)
     assert torch.equal(logits(model), logits(load_model(resolved, torch.float16, "cpu")))
 

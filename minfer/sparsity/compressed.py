@@ -3,7 +3,9 @@
 A compressed folder holds config.json, the tokenizer, and one model.safetensors with every tensor
 under its minfer name (a projection's as `<projection>.fmt.<tensor>`, the tensors its format's
 `tensors()` names; the rest as `embed_tokens.weight`, ...) plus a metadata entry `minfer_formats`:
-JSON mapping each projection to its format's name, shape and options. It loads like any checkpoint
+JSON mapping each projection to its format's name, shape and options (a KS chain's patterns, a MACKO
+matrix's density). config.json repeats that map under `"minfer": {"formats": ...}` for whoever reads the
+folder; the loader reads the file's metadata and refuses a folder whose two copies disagree. It loads like any checkpoint
 folder (`--model DIR`): each format rebuilds itself on the meta device from the file's tensor
 headers (`WeightFormat.from_tensors`), the model is allocated once on the target device and filled
 from the memory-mapped file, and each format checks what it read (`WeightFormat.check`). Folders
@@ -31,6 +33,7 @@ METADATA_KEY = "minfer_formats"
 RANDOM_KEY = "minfer_random_weights"  # "true" when the saved weights were random numbers
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+CONFIG_ENTRY = "minfer"  # config.json's copy of the layout: {"minfer": {"formats": <the METADATA_KEY map>}}
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
 # Written first and removed last by save_compressed, so a folder holding it (with exactly this text) is
 # a save that was cut short; file names alone (config.json.partial) could be anybody's.
@@ -121,7 +124,7 @@ def save_compressed(model: nn.Module, folder: str | Path, tokenizer_path: str | 
     try:
         save_file(tensors, partial, metadata=metadata)
         os.chmod(partial, 0o666 & ~_umask())  # safetensors creates it private; the config beside it is not
-        partial_config.write_text(json.dumps(model.config.to_hf(), indent=2))
+        partial_config.write_text(json.dumps(model.config.to_hf() | {CONFIG_ENTRY: {"formats": layout}}, indent=2))
     except BaseException:
         partial.unlink(missing_ok=True)
         partial_config.unlink(missing_ok=True)
@@ -240,6 +243,7 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
     layout = _layout(folder)
     if layout is None:
         raise CheckpointError(f"{folder} is not a minfer compressed checkpoint (no {METADATA_KEY} metadata)")
+    _check_config_copy(folder, layout)
     file = folder / WEIGHTS_FILE
     with open_safetensors(file) as f:
         names = set(f.keys())
@@ -264,6 +268,20 @@ def load_compressed(model: nn.Module, folder: str | Path, dtype: torch.dtype, de
             except FormatError as exc:
                 raise CheckpointError(f"{name} in {file}: {exc}; the compressed folder is damaged") from None
         return fill_model(model, formats, f.get_tensor, names, str(file), dtype, device, progress)
+
+
+def _check_config_copy(folder: Path, layout: dict) -> None:
+    """Refuse a folder whose config.json lists other formats than its weights file (an edited config);
+    folders saved before config.json carried the copy have none to compare."""
+    try:
+        copy = json.loads((folder / CONFIG_FILE).read_text()).get(CONFIG_ENTRY, {}).get("formats")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # the config reader reports a missing or unreadable config.json itself
+    if copy is not None and copy != json.loads(json.dumps(layout)):
+        differing = sorted(name for name in set(copy) | set(layout) if copy.get(name) != layout.get(name))
+        raise CheckpointError(f"{folder / CONFIG_FILE} lists other formats under \"{CONFIG_ENTRY}\" than "
+                              f"{WEIGHTS_FILE} holds ({', '.join(differing[:3])}"
+                              f"{', ...' if len(differing) > 3 else ''}); restore the saved config.json")
 
 
 def _meta_tensor(handle, name: str, dtype: torch.dtype, where: str) -> torch.Tensor:
