@@ -173,8 +173,27 @@ def init(device_type: str) -> tuple[Sharding, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-    peers = PeerAllReduce(device, dist.group.WORLD.group_name) if allreduce == "minfer" else None
+    peers = None
+    if allreduce == "minfer":
+        peers = peers_or_nccl(lambda: PeerAllReduce(device, dist.group.WORLD.group_name),
+                              explicit="MINFER_TP_ALLREDUCE" in os.environ, announce=rank == 0)
     return Sharding(rank, world, peers), device
+
+
+def peers_or_nccl(make, explicit: bool, announce: bool) -> PeerAllReduce | None:
+    """make() (a PeerAllReduce), or None (NCCL) where the GPUs cannot map each other's memory: then a note
+    when `announce`, and a one-line MinferError instead when the user asked for minfer's all-reduce."""
+    try:
+        return make()
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if explicit:
+            raise MinferError(f"MINFER_TP_ALLREDUCE=minfer: no symmetric memory between these GPUs ({reason}); "
+                              "unset it to run NCCL's all-reduce") from None
+        if announce:
+            print(f"note: no symmetric memory between these GPUs ({reason}): the all-reduces run on NCCL",
+                  file=sys.stderr, flush=True)
+        return None
 
 
 def shutdown() -> None:

@@ -14,7 +14,7 @@ from minfer.checkpoint import copy_weights, hf_state_dict, random_init, save_hf
 from minfer.config import ModelConfig
 from minfer.errors import MinferError
 from minfer.model import Transformer
-from minfer.parallel import Sharding, launch
+from minfer.parallel import Sharding, launch, peers_or_nccl
 from minfer.runtime import estimate_memory
 from tests.helpers import APP, cli
 
@@ -83,6 +83,21 @@ def test_memory_estimate_splits_all_but_the_embedding():
     embedding = config.vocab_size * config.hidden_size * 2
     assert two.weights == (one.weights - embedding) // 2 + embedding
     assert two.kv_cache * 2 == one.kv_cache
+
+
+def test_minfer_all_reduce_falls_back_to_nccl_without_symmetric_memory(capsys):
+    def unmappable():
+        raise RuntimeError("CUDA driver error: peer access is not supported\nmore detail")
+
+    assert peers_or_nccl(unmappable, explicit=False, announce=True) is None
+    assert capsys.readouterr().err == ("note: no symmetric memory between these GPUs (CUDA driver error: peer access "
+                                       "is not supported): the all-reduces run on NCCL\n")
+    assert peers_or_nccl(unmappable, explicit=False, announce=False) is None and not capsys.readouterr().err
+    with pytest.raises(MinferError, match=r"^MINFER_TP_ALLREDUCE=minfer: no symmetric memory between these GPUs "
+                                          r"\(CUDA driver error: peer access is not supported\); unset it"):
+        peers_or_nccl(unmappable, explicit=True, announce=True)
+    made = object()
+    assert peers_or_nccl(lambda: made, explicit=True, announce=True) is made
 
 
 def test_launch_ends_every_rank_when_one_fails(capsys):
