@@ -190,7 +190,7 @@ GPU_SHAPES = [(1, 32, 8, 128, 4100), (1, 32, 32, 128, 1500), (2, 12, 4, 64, 600)
 def test_kernel_matches_float64_oracle(name, shape, dtype):
     batch, q_heads, kv_heads, head_dim, max_seq_len = shape
     packed, layout = layout_for(name, q_heads, kv_heads, max_seq_len, 128, "cuda")
-    workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, layout.most_kept_positions(),
+    workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, layout.most_kept_positions,
                                                "cuda")
     for position in (17, 128, max_seq_len // 2 + 1, max_seq_len - 1):
         q, k_cache, v_cache, kept = gpu_problem(batch, q_heads, kv_heads, head_dim, max_seq_len, position, dtype,
@@ -210,7 +210,7 @@ def test_kernel_matches_float64_oracle(name, shape, dtype):
 def test_kernel_sink_window_from_the_position_at_every_offset(sink, window, block_size):
     max_seq_len = 2600
     packed, layout = layout_for(f"sink-window:sink={sink},window={window}", 8, 2, max_seq_len, block_size, "cuda")
-    workspace = ops.decode_attention_workspace(1, 8, 2, 128, layout.most_kept_positions(), "cuda")
+    workspace = ops.decode_attention_workspace(1, 8, 2, 128, layout.most_kept_positions, "cuda")
     for position in (0, 13, 63, 64, 127, 128, 200, 1023, 1024, 2047, 2048, 2599):
         q, k_cache, v_cache, kept = gpu_problem(1, 8, 2, 128, max_seq_len, position, torch.float16, packed)
         out = run(q, k_cache, v_cache, position, 0.125, layout, workspace)
@@ -250,6 +250,29 @@ def test_every_split_count(num_splits):
     assert counters_at_rest(workspace, 1, 2)
 
 
+def test_ring_depth_fits_the_steps_a_warp_takes():
+    # 2304 kept positions (sink-128 + window-2048 in blocks of 128) over 16 splits: 3 steps a warp.
+    assert ops.decode_attention_ring_stages(2304, 16) == 0
+    assert ops.decode_attention_ring_stages(2304, 24) == 3
+    assert ops.decode_attention_ring_stages(2304, 36) == 2
+    assert ops.decode_attention_ring_stages(2304, 256) == 2
+    assert ops.decode_attention_ring_stages(32768, 16) == 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("listed", [False, True], ids=["from-position", "listed"])
+@pytest.mark.parametrize("num_splits, stages", [(3, 2), (7, 3), (16, None), (36, None), (40, 2)])
+def test_every_ring_depth(num_splits, stages, listed):
+    max_seq_len, position = 4100, 4099
+    packed, layout = layout_for("sink-window:sink=128,window=2048", 32, 8, max_seq_len, 128, "cuda")
+    q, k_cache, v_cache, kept = gpu_problem(1, 32, 8, 128, max_seq_len, position, torch.float16, packed)
+    workspace = ops.decode_attention_workspace(1, 32, 8, 128, max_seq_len, "cuda", num_splits=num_splits)
+    out = layout.attend(q, k_cache, v_cache, torch.tensor([position], device="cuda"), 0.125, None, workspace,
+                        listed, stages)
+    assert rel_error(out, oracle64(q, k_cache, v_cache, kept, 0.125)) < TOLERANCE[torch.float16]
+    assert counters_at_rest(workspace, 1, 8)
+
+
 @requires_cuda
 @pytest.mark.parametrize("listed", [False, True], ids=["from-position", "listed"])
 @pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=[pytest.mark.memcheck, pytest.mark.racecheck])])
@@ -267,7 +290,7 @@ def test_newest_row_from_the_kernel_right_before_and_graph_replay(head_dim, list
     q_new, k_new, v_new = qkv.split([q_heads, kv_heads, kv_heads], dim=2)
     cos = torch.ones(max_seq_len, head_dim // 2, device="cuda")  # RoPE as the identity
     sin = torch.zeros(max_seq_len, head_dim // 2, device="cuda")
-    workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, layout.most_kept_positions(),
+    workspace = ops.decode_attention_workspace(batch, q_heads, kv_heads, head_dim, layout.most_kept_positions,
                                                "cuda")
     out = torch.empty(batch, q_heads, head_dim, dtype=torch.float16, device="cuda")
 
@@ -302,9 +325,9 @@ def test_opcheck():
     out = torch.empty_like(q)
     torch.library.opcheck(torch.ops.minfer.decode_attention_blocksparse.default,
                           (q, k_cache, v_cache, pos, 0.1, out, workspace, 5, layout.tile_ptr, layout.key_tiles,
-                           layout.head_bits, layout.groups))
+                           layout.head_bits, layout.groups, 0))
     torch.library.opcheck(torch.ops.minfer.decode_attention_sink_window.default,
-                          (q, k_cache, v_cache, pos, 0.1, out, workspace, 5, 64, 300, 128))
+                          (q, k_cache, v_cache, pos, 0.1, out, workspace, 5, 64, 300, 128, 2))
 
 
 @requires_cuda

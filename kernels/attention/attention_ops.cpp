@@ -71,7 +71,7 @@ void decode_attention_tuned(const at::Tensor& q, const at::Tensor& k_cache, cons
 void decode_attention_blocksparse(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
                                   int64_t num_splits, const at::Tensor& tile_ptr, const at::Tensor& key_tiles,
-                                  const at::Tensor& head_bits, int64_t layout_groups) {
+                                  const at::Tensor& head_bits, int64_t layout_groups, int64_t stages) {
     for (const auto* t : {&tile_ptr, &key_tiles, &head_bits}) {
         check_cuda_contiguous(*t, "the decode layout's arrays");
         MINFER_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->device() == q.device(),
@@ -89,13 +89,14 @@ void decode_attention_blocksparse(const at::Tensor& q, const at::Tensor& k_cache
                 " entries and key_tiles, head_bits of one length (build the layout for the cache's length)");
     const minfer::DecodeKeptTiles kept{tile_ptr.data_ptr<int32_t>(), key_tiles.data_ptr<int32_t>(),
                                        head_bits.data_ptr<int32_t>(), (int)layout_groups, (int)q_tiles, 0, 0, 0};
-    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages, &kept);
 }
 
 // The sink-window layout (sizes in tokens, layout blocks of block_size), its tiles found from the position.
 void decode_attention_sink_window(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& input_pos, double scale, at::Tensor& out, at::Tensor& workspace,
-                                  int64_t num_splits, int64_t sink, int64_t window, int64_t block_size) {
+                                  int64_t num_splits, int64_t sink, int64_t window, int64_t block_size,
+                                  int64_t stages) {
     constexpr int64_t tile = minfer::kDecodeAttnKeyTile;
     MINFER_CHECK(block_size >= tile && block_size % tile == 0 && block_size <= (1 << 20),
                 "minfer.decode_attention_sink_window: block_size must be a multiple of ", tile, ", got ", block_size);
@@ -106,7 +107,7 @@ void decode_attention_sink_window(const at::Tensor& q, const at::Tensor& k_cache
     const minfer::DecodeKeptTiles kept{nullptr, nullptr, nullptr, 1, 0,
                                        (int)((sink + block_size - 1) / block_size * block_tiles), (int)window,
                                        (int)block_tiles};
-    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, 0, &kept);
+    launch_checked(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, stages, &kept);
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -124,9 +125,10 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
           "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int stages) -> ()");
     m.def("decode_attention_blocksparse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
           "Tensor(a!) out, Tensor(b!) workspace, int num_splits, Tensor tile_ptr, Tensor key_tiles, Tensor head_bits, "
-          "int layout_groups) -> ()");
+          "int layout_groups, int stages) -> ()");
     m.def("decode_attention_sink_window(Tensor q, Tensor k_cache, Tensor v_cache, Tensor input_pos, float scale, "
-          "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int sink, int window, int block_size) -> ()");
+          "Tensor(a!) out, Tensor(b!) workspace, int num_splits, int sink, int window, int block_size, "
+          "int stages) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {

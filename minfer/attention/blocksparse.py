@@ -39,7 +39,7 @@ class BlockSparseAttention(AttentionBackend):
         if ops.kernels_run_on(device) and ops.decode_attention_supports(dtype, config.num_heads, config.num_kv_heads,
                                                                         config.head_dim):
             self.workspace = ops.decode_attention_workspace(max_batch_size, config.num_heads, config.num_kv_heads,
-                                                            config.head_dim, self.decode_layout.most_kept_positions(),
+                                                            config.head_dim, self.decode_layout.most_kept_positions,
                                                             device)
 
     def compact(self, seq_len: int) -> CompactLayout:

@@ -23,6 +23,7 @@ query tile of KERNEL_TILE tokens, the ascending list of key tiles to visit, in C
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -304,8 +305,10 @@ class DecodeLayout:
     def q_tiles(self) -> int:
         return _blocks(self.seq_len, KERNEL_TILE)
 
+    @cached_property
     def most_kept_positions(self) -> int:
-        """The longest list in positions: what the split-K workspace is sized for."""
+        """The longest list in positions: what the split-K workspace and ring are sized for (read back once,
+        so decode steps that use it stay free of host syncs)."""
         return int((self.tile_ptr[1:] - self.tile_ptr[:-1]).max()) * KERNEL_TILE
 
     def to(self, device: torch.device | str) -> DecodeLayout:
@@ -314,14 +317,17 @@ class DecodeLayout:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
                scale: float, out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-               listed: bool = False) -> torch.Tensor:
+               listed: bool = False, stages: int | None = None) -> torch.Tensor:
         """Decode attention of q [B, Hq, D] at position input_pos over caches of seq_len positions with this
-        layout (sink-window through its own kernel path unless `listed`, a knob for benchmarks)."""
+        layout (sink-window through its own kernel path unless `listed`; `listed` and `stages`, the K/V ring
+        depth, are knobs for benchmarks: None fits the ring to the most kept positions)."""
         if self.sink_window is not None and not listed:
             return sink_window_decode_attention(q, k_cache, v_cache, input_pos, scale, *self.sink_window, out=out,
-                                                workspace=workspace)
+                                                workspace=workspace, stages=stages,
+                                                kept_positions=self.most_kept_positions)
         return blocksparse_decode_attention(q, k_cache, v_cache, input_pos, scale, self.tile_ptr, self.key_tiles,
-                                            self.head_bits, self.groups, out=out, workspace=workspace)
+                                            self.head_bits, self.groups, out=out, workspace=workspace, stages=stages,
+                                            kept_positions=self.most_kept_positions)
 
 
 def decode_layout(packed: CompactLayout, kv_heads: int, spec: LayoutSpec | None = None) -> DecodeLayout:

@@ -211,7 +211,7 @@ def decode_rows(seq_len: int, dtype: torch.dtype, copy_gbs: float, flex: Callabl
                                                              enable_gqa=True))
     rows = []
     for name, form in forms.items():
-        most = form.most_kept_positions()
+        most = form.most_kept_positions
 
         def minfer_decode(splits: int | None = None, listed: bool = False):
             workspace = ops.decode_attention_workspace(1, HEADS, kv_heads, HEAD_DIM, most, "cuda", splits)

@@ -32,7 +32,7 @@ def decode_case(dtype: torch.dtype) -> KernelCase:
     def build(copies):
         form = layout.to("cuda")
         q, k_caches, v_caches, out, position = decode_inputs(seq_len, copies, dtype)
-        workspace = ops.decode_attention_workspace(1, HEADS, kv_heads, HEAD_DIM, form.most_kept_positions(), "cuda")
+        workspace = ops.decode_attention_workspace(1, HEADS, kv_heads, HEAD_DIM, form.most_kept_positions, "cuda")
         scale = HEAD_DIM**-0.5
         return (lambda i: form.attend(q, k_caches[i], v_caches[i], position, scale, out, workspace)), (
             lambda i: F.scaled_dot_product_attention(q[:, :, None], k_caches[i], v_caches[i], scale=scale,

@@ -19,6 +19,7 @@ DECODE_ATTENTION_SPLIT_ROWS = 64  # kDecodeAttnWarps x kDecodeAttnStepRows: a sp
 DECODE_ATTENTION_HEAD_DIMS = (64, 128)
 DECODE_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
 DECODE_ATTENTION_KEY_TILE = 64  # kDecodeAttnKeyTile: the layout's decode lists count tiles of this many positions
+DECODE_ATTENTION_DEFAULT_STAGES = 4  # the kernel's ring depth at D 128 (kWarpRingBytes over one step's K and V)
 
 
 def _kernel_takes(dtype: torch.dtype, head_dim: int) -> bool:
@@ -115,6 +116,15 @@ def decode_attention_splits(batch: int, num_kv_heads: int, max_seq_len: int, dev
     return max(1, min(sms // (batch * num_kv_heads), most_useful, DECODE_ATTENTION_MAX_SPLITS))
 
 
+def decode_attention_ring_stages(kept_positions: int, num_splits: int) -> int:
+    """The K/V ring depth (16-position steps per warp) for block-sparse decode over at most `kept_positions`:
+    one more than the steps a warp takes, so all of them are issued before the kernel waits for the previous
+    one, and no deeper, so a smaller block leaves room on its SM for more splits and for the next launch's
+    blocks. 0 (the kernel's default depth) when a warp takes as many steps as that holds or more."""
+    warp_steps = -(-(-(-kept_positions // num_splits)) // DECODE_ATTENTION_SPLIT_ROWS)
+    return warp_steps + 1 if warp_steps + 1 < DECODE_ATTENTION_DEFAULT_STAGES else 0
+
+
 def _decode_attention_counter_floats(batch: int, num_kv_heads: int) -> int:
     return -(-batch * num_kv_heads // 4) * 4
 
@@ -154,13 +164,13 @@ def _decode_attention_tuned_fake(q, k_cache, v_cache, input_pos, scale, out, wor
 
 @fake_impl("minfer::decode_attention_sink_window")
 def _decode_attention_sink_window_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, sink,
-                                       window, block_size):
+                                       window, block_size, stages):
     return None
 
 
 @fake_impl("minfer::decode_attention_blocksparse")
 def _decode_attention_blocksparse_fake(q, k_cache, v_cache, input_pos, scale, out, workspace, num_splits, tile_ptr,
-                                       key_tiles, head_bits, layout_groups):
+                                       key_tiles, head_bits, layout_groups, stages):
     return None
 
 
@@ -195,30 +205,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def blocksparse_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  input_pos: torch.Tensor, scale: float, tile_ptr: torch.Tensor, key_tiles: torch.Tensor,
                                  head_bits: torch.Tensor, layout_groups: int, out: torch.Tensor | None = None,
-                                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+                                 workspace: torch.Tensor | None = None, stages: int | None = None,
+                                 kept_positions: int | None = None) -> torch.Tensor:
     """decode_attention over the kept key tiles only (blocksparse_decode_attention_reference says which).
 
     The layout arrays (minfer.attention.layouts.DecodeLayout, built for the cache's max_seq_len) live on
     q's device; the kernel finds the query tile's list from input_pos on the device, and its splits share
     the kept tiles, so one captured launch serves every position. A workspace sized for the most kept
     positions of any query tile (decode_attention_workspace with that length) keeps every split busy.
+    `stages`: the kernel's K/V ring depth (0 = its default); None fits it to `kept_positions`, the most
+    positions any query tile keeps (None: the whole cache), with decode_attention_ring_stages.
     """
     q_tiles = -(-k_cache.shape[2] // DECODE_ATTENTION_KEY_TILE)
     if layout_groups not in (1, k_cache.shape[1]) or tile_ptr.numel() != layout_groups * q_tiles + 1:
         raise MinferError(f"the decode layout ({layout_groups} groups, {tile_ptr.numel()} list bounds) does not fit a "
                           f"cache of {k_cache.shape[1]} KV heads and {k_cache.shape[2]} positions; build it for them")
     return _sparse_decode(
-        q, k_cache, out, workspace,
-        lambda out, workspace, splits: torch.ops.minfer.decode_attention_blocksparse(
+        q, k_cache, out, workspace, stages, kept_positions,
+        lambda out, workspace, splits, stages: torch.ops.minfer.decode_attention_blocksparse(
             q, k_cache, v_cache, input_pos, scale, out, workspace, splits, tile_ptr, key_tiles, head_bits,
-            layout_groups),
+            layout_groups, stages),
         lambda: blocksparse_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, tile_ptr, key_tiles,
                                                        head_bits, layout_groups))
 
 
 def sink_window_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  input_pos: torch.Tensor, scale: float, sink: int, window: int, block_size: int,
-                                 out: torch.Tensor | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                                 out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                                 stages: int | None = None, kept_positions: int | None = None) -> torch.Tensor:
     """blocksparse_decode_attention for the sink-window layout (`sink`, `window` tokens; layout blocks of
     `block_size`, a multiple of DECODE_ATTENTION_KEY_TILE), whose kept tiles the kernel computes from
     input_pos instead of reading lists: the same positions, with no list loads ahead of the K/V loads."""
@@ -226,18 +240,19 @@ def sink_window_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         raise MinferError(f"sink-window decode takes sink >= 0, window >= 1 and blocks of a multiple of "
                           f"{DECODE_ATTENTION_KEY_TILE}, got sink={sink}, window={window}, block_size={block_size}")
     return _sparse_decode(
-        q, k_cache, out, workspace,
-        lambda out, workspace, splits: torch.ops.minfer.decode_attention_sink_window(
-            q, k_cache, v_cache, input_pos, scale, out, workspace, splits, sink, window, block_size),
+        q, k_cache, out, workspace, stages, kept_positions,
+        lambda out, workspace, splits, stages: torch.ops.minfer.decode_attention_sink_window(
+            q, k_cache, v_cache, input_pos, scale, out, workspace, splits, sink, window, block_size, stages),
         lambda: sink_window_decode_attention_reference(q, k_cache, v_cache, input_pos, scale, sink, window,
                                                        block_size))
 
 
 def _sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | None, workspace: torch.Tensor | None,
-                   kernel: Callable[[torch.Tensor, torch.Tensor, int], None],
+                   stages: int | None, kept_positions: int | None,
+                   kernel: Callable[[torch.Tensor, torch.Tensor, int, int], None],
                    reference: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`kernel(out, workspace, splits)` when the CUDA kernel takes q (without a workspace, one for the whole
-    cache is allocated), else out = `reference()`."""
+    """`kernel(out, workspace, splits, stages)` when the CUDA kernel takes q (without a workspace, one for the
+    whole cache is allocated), else out = `reference()`."""
     if out is None:
         out = q.new_empty(q.shape)
     batch, num_heads, head_dim = q.shape
@@ -246,7 +261,10 @@ def _sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor | N
         if workspace is None:
             workspace = decode_attention_workspace(batch, num_heads, num_kv_heads, head_dim, k_cache.shape[2],
                                                    q.device)
-        kernel(out, workspace, _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim))
+        splits = _decode_attention_workspace_splits(workspace, batch, num_heads, num_kv_heads, head_dim)
+        if stages is None:
+            stages = decode_attention_ring_stages(kept_positions or k_cache.shape[2], splits)
+        kernel(out, workspace, splits, stages)
     else:
         out.copy_(reference())
     return out
