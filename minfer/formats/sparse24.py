@@ -2,8 +2,10 @@
 consecutive columns of a row, stored as the 2 kept values of each group and a 4-bit metadata nibble.
 
 Decode (1..16 tokens) runs the sparse24 GEMV, which fuses the norm, the MLP activation and the residual add
-as the dense GEMV does. Longer inputs (prefill) decompress blocks of rows into the scratch buffer MACKO's
-prefill shares and run dense matmuls, so no dense copy of the model is kept.
+as the dense GEMV does. Prefill on an sm_90 GPU (from GEMM_MIN_TOKENS tokens, K % 64 == 0, N % 8 == 0) runs the
+sparse tensor-core GEMM, which reads the metadata in its own order: a second copy, built from `meta` at the
+first such call and rebuilt when `meta` changes (counted in nbytes once built). Other prefills decompress blocks
+of rows into the scratch buffer MACKO's prefill shares and run dense matmuls, so no dense copy is kept.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .macko import prefill_row_blocks, scratch_matrix
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels take the 16-bit ones
 BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
+GEMM_MIN_TOKENS = 17  # prefill from here runs the sparse GEMM where it can (docs/perf-notes.md)
 
 
 def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +85,23 @@ class Sparse24Weight(WeightFormat):
         super().__init__(rows, cols)
         self.register_buffer("values", values)
         self.register_buffer("meta", meta)
+        self._gemm_meta: torch.Tensor | None = None  # the GEMM's order of `meta`, built by gemm_metadata()
+        self._gemm_meta_of: tuple | None = None  # which `meta` it was built from
+
+    def gemm_metadata(self) -> torch.Tensor:
+        """`meta` in the prefill GEMM's order (ops.sparse24_gemm_metadata), built once per device and contents
+        of `meta` (a loader fills buffers in place, `.to()` moves them)."""
+        source = (self.meta.device, self.meta.data_ptr(), self.meta._version)
+        if self._gemm_meta is None or self._gemm_meta_of != source:
+            self._gemm_meta = ops.sparse24_gemm_metadata(self.meta)
+            self._gemm_meta_of = source
+        return self._gemm_meta
+
+    @property
+    def nbytes(self) -> int:
+        """The buffers, plus the GEMM's metadata copy once a prefill has built it."""
+        extra = 0 if self._gemm_meta is None else self._gemm_meta.numel() * self._gemm_meta.element_size()
+        return super().nbytes + extra
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> Sparse24Weight:
@@ -118,9 +138,11 @@ class Sparse24Weight(WeightFormat):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
-        """Long inputs: decompress a block of rows at a time into MACKO's scratch buffer and multiply it
-        with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
+        """Long inputs: the sparse GEMM where it runs, else decompress a block of rows at a time into MACKO's
+        scratch buffer and multiply it with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.shape
+        if flat.shape[0] >= GEMM_MIN_TOKENS and ops.sparse24_gemm_takes(flat, rows, cols):
+            return ops.sparse24_gemm(flat, self.values, self.gemm_metadata())
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
         for first, last in prefill_row_blocks(rows, cols):
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)
