@@ -37,7 +37,7 @@ constexpr int kSmemLimit = 227 * 1024;
 constexpr int kAtomBytes = kSparse24GemmAtomWords * 4;
 
 // BM weight rows x BN tokens per tile, BK logical K per stage (the values' box is BK / 2 halves wide:
-// BK bytes, their swizzle), STAGES in the ring (0: as many as fit).
+// BK bytes, their swizzle; K % BK == 0), STAGES in the ring (0: as many as fit).
 template <int BM, int BN, int BK, int STAGES>
 struct SparseTile {
     static constexpr int kRowBlocks = BM / 128;  // m64 row blocks per consumer warpgroup
@@ -275,6 +275,7 @@ const char* launch_tile(const void* values, const int32_t* gemm_meta, const void
 template <typename T>
 const char* launch_typed(const void* values, const int32_t* gemm_meta, const void* x, void* y, int m, int n, int k,
                          int k_atoms, DType dtype, int variant, cudaStream_t stream) {
+    if (k % 128 != 0 && variant >= 4) variant = variant == 4 ? 0 : variant - 3;  // K % 128 != 0: 64-wide stages
     switch (variant) {
         case 0: return launch_tile<T, 128, 128, 64, 0>(values, gemm_meta, x, y, m, n, k, k_atoms, dtype, stream);
         case 1: return launch_tile<T, 128, 128, 64, 4>(values, gemm_meta, x, y, m, n, k, k_atoms, dtype, stream);

@@ -7,8 +7,8 @@ native orientation), then llama2-7b decode with random weights: dense, MACKO at 
     python apps/benchmark.py --suite sparse24
 
 decode: 1..16 tokens, minfer's 2:4 GEMV (ops.sparse24_gemv) against minfer's dense GEMV (up to 8 tokens),
-cuBLAS and cuSPARSELt. prefill: 512, 2048, 8192 tokens, what a 2:4 layer runs for them (decompression into
-the scratch buffer, then cuBLAS) against cuBLAS, minfer's HGEMM and cuSPARSELt. Graph-capturable ops run
+cuBLAS and cuSPARSELt. prefill: 512, 2048, 8192 tokens, what a 2:4 layer runs for them (the sparse GEMM on
+sm_90), each GEMM tile variant, the decompress-then-cuBLAS path, cuBLAS, minfer's HGEMM and cuSPARSELt. Graph-capturable ops run
 back to back in a CUDA graph over copies rotated past L2 (`timing.time_graph`); cuSPARSELt is timed eagerly,
 back to back between two events.
 """
@@ -39,6 +39,7 @@ SECTIONS = ("decode", "prefill", "e2e")
 DECODE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)
 PREFILL_TOKENS = (512, 2048, 8192)
 E2E_FORMATS = ("dense", "macko d=0.5", "2:4")
+GEMM_VARIANTS = range(7)  # kernels/sparse24/sparse24_gemm_sm90.cu, launch_typed
 
 COLUMNS = {
     "decode": [report.Column(*c) for c in [
@@ -49,8 +50,9 @@ COLUMNS = {
     "prefill": [report.Column(*c) for c in [
         ("shape", "shape"), ("tokens", "T"), ("minfer_ms", "2:4 layer ms", "{:.4f}"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
-        ("hgemm_ms", "minfer hgemm ms", "{:.4f}"), ("cusparselt_ms", "cuSPARSELt ms", "{:.4f}"),
-        ("vs_cusparselt", "vs cuSPARSELt", "{:.2f}x"), ("cusparselt_vs_cublas", "cuSPARSELt vs cuBLAS", "{:.2f}x")]],
+        ("cusparselt_ms", "cuSPARSELt ms", "{:.4f}"), ("vs_cusparselt", "vs cuSPARSELt", "{:.2f}x"),
+        ("decompress_ms", "decompress+cuBLAS ms", "{:.4f}"), ("hgemm_ms", "minfer hgemm ms", "{:.4f}"),
+        *((f"v{v}_ms", f"v{v} ms", "{:.4f}") for v in GEMM_VARIANTS), ("gemm_error", "max rel err", "{:.1e}")]],
     "e2e": [report.Column(*c) for c in [
         ("model", "model"), ("format", "weights"), ("weight_gb", "weights GB", "{:.2f}"),
         ("decode_tok_s", "decode tok/s", "{:.1f}"), ("vs_dense", "vs dense", "{:.2f}x"),
@@ -105,15 +107,39 @@ def decode_row(m: Matrix, tokens: int, copy_gbs: float, replays: int) -> dict:
             "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms)}
 
 
+def time_layers(m: Matrix, tokens: int, replays: int, op: Callable[[torch.nn.Module, torch.Tensor], object]) -> float:
+    """`op(layer, x)` over 2:4 layers on copies of the arrays rotated past L2 (their GEMM metadata built first)."""
+    gemm_bytes = m.fmt.gemm_metadata().numel() * 4
+    copies = rotated((m.fmt.values, m.fmt.meta), rotation_count(m.fmt.nbytes + gemm_bytes))
+    layers = [FORMATS["2:4"](values, meta, (m.n, m.k)) for values, meta in copies]
+    for layer in layers:
+        layer.gemm_metadata()
+    x = torch.randn(tokens, m.k, device="cuda", dtype=m.dtype)
+    return time_graph(lambda i: op(layers[i], x), len(layers), replays=replays)
+
+
+def gemm_error(m: Matrix, tokens: int) -> float:
+    """The largest relative error (Frobenius) of any GEMM variant against cuBLAS on the same input."""
+    x = torch.randn(tokens, m.k, device="cuda", dtype=m.dtype)
+    expected = F.linear(x, m.dense).float()
+    return max(float((ops.sparse24_gemm(x, m.fmt.values, m.fmt.gemm_metadata(), variant=v).float() - expected).norm()
+                     / expected.norm()) for v in GEMM_VARIANTS)
+
+
 def prefill_row(m: Matrix, tokens: int, replays: int) -> dict:
-    layer = FORMATS["2:4"]
-    ms = m.time_graph(lambda x, values, meta: layer(values, meta, (m.n, m.k))(x), tokens, (m.fmt.values, m.fmt.meta),
-                      replays)
+    ms = time_layers(m, tokens, replays, lambda layer, x: layer(x))
+    row = {"shape": m.shape, "tokens": tokens, "minfer_ms": ms}
+    if ops.sparse24_gemm_takes(m.dense, m.n, m.k):
+        row["gemm_error"] = gemm_error(m, tokens)
+        for v in GEMM_VARIANTS:
+            row[f"v{v}_ms"] = time_layers(m, tokens, replays, lambda layer, x, v=v: ops.sparse24_gemm(
+                x, layer.values, layer.gemm_metadata(), variant=v))
+    row["decompress_ms"] = time_layers(m, tokens, replays, lambda layer, x: layer.decompressed_product(x))
     cublas_ms = m.time_graph(F.linear, tokens, (m.dense,), replays)
     hgemm_ms = m.time_graph(ops.hgemm, tokens, (m.dense,), replays)
     cusparselt_ms = m.time_cusparselt(tokens, replays)
-    return {"shape": m.shape, "tokens": tokens, "minfer_ms": ms, "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms,
-            "hgemm_ms": hgemm_ms, "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms),
+    return {**row, "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms, "hgemm_ms": hgemm_ms,
+            "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms),
             "cusparselt_vs_cublas": ratio(cublas_ms, cusparselt_ms) if cusparselt_ms else None}
 
 

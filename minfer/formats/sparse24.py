@@ -143,6 +143,11 @@ class Sparse24Weight(WeightFormat):
         rows, cols = self.shape
         if flat.shape[0] >= GEMM_MIN_TOKENS and ops.sparse24_gemm_takes(flat, rows, cols):
             return ops.sparse24_gemm(flat, self.values, self.gemm_metadata())
+        return self.decompressed_product(flat)
+
+    def decompressed_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [T, K] @ W.T by blocks of rows decompressed into MACKO's scratch and cuBLAS."""
+        rows, cols = self.shape
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
         for first, last in prefill_row_blocks(rows, cols):
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)
