@@ -28,11 +28,14 @@ constexpr int kSparse24GemmAtomWords = 128;
 constexpr int kSparse24GemmRowMultiple = 256;
 constexpr int kSparse24GemmKMultiple = 64;  // what the GEMM takes: K % 64 == 0, N % 8 == 0
 
+// The GEMM's tiles, weight rows x tokens; kAuto picks by shape (the launcher's choose_tile).
+enum class Sparse24GemmTile : int { kAuto = 0, k128x128 = 1, k128x256 = 2, k256x128 = 3 };
+
 // y [m, n] = x [m, k] @ W^T for W the [n, k] matrix of `values` [n, k / 2] and `gemm_meta`, fp32 accumulation,
-// on sm_90a (wgmma.mma_async.sp). Tensors contiguous, 16-byte aligned; `variant` picks the tile (see the
-// launcher). Returns nullptr on success, else what is wrong.
+// on sm_90a (wgmma.mma_async.sp). Tensors contiguous, 16-byte aligned. Returns nullptr on success, else what
+// is wrong.
 const char* launch_sparse24_gemm(const void* values, const int32_t* gemm_meta, const void* x, void* y, int64_t m,
-                                 int64_t n, int64_t k, DType dtype, int variant, cudaStream_t stream);
+                                 int64_t n, int64_t k, DType dtype, Sparse24GemmTile tile, cudaStream_t stream);
 
 // True when the current device is an sm_90 part and this build holds the sm_90a GEMM for it.
 bool sparse24_gemm_sm90_available();

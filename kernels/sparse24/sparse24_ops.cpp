@@ -77,8 +77,17 @@ void sparse24_decompress(const at::Tensor& values, const at::Tensor& meta, at::T
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+minfer::Sparse24GemmTile gemm_tile(const std::string& name) {
+    if (name == "auto") return minfer::Sparse24GemmTile::kAuto;
+    if (name == "128x128") return minfer::Sparse24GemmTile::k128x128;
+    if (name == "128x256") return minfer::Sparse24GemmTile::k128x256;
+    MINFER_CHECK(name == "256x128", "minfer.sparse24_gemm: tile is auto, 128x128, 128x256 or 256x128, got ", name);
+    return minfer::Sparse24GemmTile::k256x128;
+}
+
 void sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& gemm_meta, at::Tensor& out,
-                   int64_t variant) {
+                   c10::string_view tile) {
+    const minfer::Sparse24GemmTile tile_choice = gemm_tile(std::string(tile));
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
     check_cuda_contiguous(values, "values");
@@ -108,7 +117,7 @@ void sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tens
     const c10::cuda::CUDAGuard guard(values.device());
     const char* error =
         minfer::launch_sparse24_gemm(values.data_ptr(), gemm_meta.data_ptr<int32_t>(), x.data_ptr(), out.data_ptr(),
-                                     m, n, k, dtype_of(values), static_cast<int>(variant), current_stream());
+                                     m, n, k, dtype_of(values), tile_choice, current_stream());
     MINFER_CHECK(error == nullptr, "minfer.sparse24_gemm: ", error);
 }
 
@@ -118,7 +127,7 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("sparse24_gemv(Tensor x, Tensor values, Tensor meta, Tensor(a!) out, Tensor? norm_weight=None, "
           "float eps=0.0, bool accumulate=False, bool silu_mul=False) -> ()");
     m.def("sparse24_decompress(Tensor values, Tensor meta, Tensor(a!) out) -> ()");
-    m.def("sparse24_gemm(Tensor x, Tensor values, Tensor gemm_meta, Tensor(a!) out, int variant=0) -> ()");
+    m.def("sparse24_gemm(Tensor x, Tensor values, Tensor gemm_meta, Tensor(a!) out, str tile=\"auto\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {

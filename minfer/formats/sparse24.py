@@ -2,10 +2,11 @@
 consecutive columns of a row, stored as the 2 kept values of each group and a 4-bit metadata nibble.
 
 Decode (1..16 tokens) runs the sparse24 GEMV, which fuses the norm, the MLP activation and the residual add
-as the dense GEMV does. Prefill on an sm_90 GPU (from GEMM_MIN_TOKENS tokens, K % 64 == 0, N % 8 == 0) runs the
-sparse tensor-core GEMM, which reads the metadata in its own order: a second copy, built from `meta` at the
-first such call and rebuilt when `meta` changes (counted in nbytes once built). Other prefills decompress blocks
-of rows into the scratch buffer MACKO's prefill shares and run dense matmuls, so no dense copy is kept.
+as the dense GEMV does. Prefill decompresses blocks of rows into the scratch buffer MACKO's prefill shares and
+runs dense matmuls, so no dense copy is kept. The sparse tensor-core GEMM (ops.sparse24_gemm, sm_90) takes
+prefill from GEMM_MIN_TOKENS tokens when that is set (K % 64 == 0, N % 8 == 0); it reads the metadata in its own
+order: a second copy, built from `meta` at its first call and rebuilt when `meta` changes (counted in nbytes
+once built).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from .macko import prefill_row_blocks, scratch_matrix
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels take the 16-bit ones
 BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
-GEMM_MIN_TOKENS = 17  # prefill from here runs the sparse GEMM where it can (docs/perf-notes.md)
+# None: the sparse GEMM is not yet verified on the device (docs/perf-notes.md, 2026-11-28: its first build read
+# metadata registers that the next k-block overwrote), so prefill stays on decompression + cuBLAS. Once
+# tests/test_sparse24.py passes on an H200, 17 sends every prefill to it (it timed faster than decompression +
+# cuBLAS from 256 tokens on, on all five Llama-2-7B shapes).
+GEMM_MIN_TOKENS: int | None = None
 
 
 def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,16 +143,12 @@ class Sparse24Weight(WeightFormat):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
-        """Long inputs: the sparse GEMM where it runs, else decompress a block of rows at a time into MACKO's
-        scratch buffer and multiply it with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
+        """Long inputs: the sparse GEMM where it is on and runs, else decompress a block of rows at a time into
+        MACKO's scratch buffer and multiply it with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.shape
-        if flat.shape[0] >= GEMM_MIN_TOKENS and ops.sparse24_gemm_takes(flat, rows, cols):
+        gemm_on = GEMM_MIN_TOKENS is not None and flat.shape[0] >= GEMM_MIN_TOKENS
+        if gemm_on and ops.sparse24_gemm_takes(flat, rows, cols):
             return ops.sparse24_gemm(flat, self.values, self.gemm_metadata())
-        return self.decompressed_product(flat)
-
-    def decompressed_product(self, flat: torch.Tensor) -> torch.Tensor:
-        """flat [T, K] @ W.T by blocks of rows decompressed into MACKO's scratch and cuBLAS."""
-        rows, cols = self.shape
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
         for first, last in prefill_row_blocks(rows, cols):
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)

@@ -149,16 +149,22 @@ def sparse24_gemm_takes(x: torch.Tensor, rows: int, cols: int) -> bool:
             and rows % 8 == 0 and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
+SPARSE24_GEMM_TILES = ("auto", "128x128", "128x256", "256x128")  # weight rows x tokens (sparse24_ops.cpp)
+
+
 @fake_impl("minfer::sparse24_gemm")
-def _gemm_fake(x, values, gemm_meta, out, variant=0):
+def _gemm_fake(x, values, gemm_meta, out, tile="auto"):
     return None
 
 
 def sparse24_gemm(x: torch.Tensor, values: torch.Tensor, gemm_meta: torch.Tensor, out: torch.Tensor | None = None,
-                  *, variant: int = 0) -> torch.Tensor:
+                  *, tile: str = "auto") -> torch.Tensor:
     """x @ W.T for prefill with W the [N, K] matrix of `values` [N, K / 2] and `gemm_meta`
     (`sparse24_gemm_metadata(meta)`): x [M, K] -> [M, N], fp32 accumulation. Where `sparse24_gemm_takes` it runs
-    the sm_90 kernel (wgmma.mma_async.sp); elsewhere the reference."""
+    the sm_90 kernel (wgmma.mma_async.sp) with `tile` (one of SPARSE24_GEMM_TILES; "auto" picks by shape, the
+    others are for tests and benchmarks); elsewhere the reference."""
+    if tile not in SPARSE24_GEMM_TILES:
+        raise FormatError(f"sparse24_gemm: tile is one of {', '.join(SPARSE24_GEMM_TILES)}, got {tile!r}")
     if x.dim() != 2:
         raise FormatError(f"sparse24_gemm takes x [tokens, K], got {tuple(x.shape)}")
     tokens, k = x.shape
@@ -170,7 +176,7 @@ def sparse24_gemm(x: torch.Tensor, values: torch.Tensor, gemm_meta: torch.Tensor
     elif out.shape != (tokens, rows):
         raise FormatError(f"sparse24_gemm: out must be [{tokens}, {rows}], got {tuple(out.shape)}")
     if sparse24_gemm_takes(x, rows, k) and values.dtype == x.dtype:
-        torch.ops.minfer.sparse24_gemm(x.contiguous(), values, gemm_meta, out, variant)
+        torch.ops.minfer.sparse24_gemm(x.contiguous(), values, gemm_meta, out, tile)
     else:
         out.copy_(sparse24_gemm_reference(x, values, gemm_meta))
     return out
