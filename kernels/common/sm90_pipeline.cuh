@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "launch.h"
 
@@ -141,6 +142,15 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
 #define MINFER_F8(i) \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define MINFER_F32(i) MINFER_F8(i), MINFER_F8(i + 8), MINFER_F8(i + 16), MINFER_F8(i + 24)
+// WGMMA("f16", ...) or WGMMA("bf16", ...) for the element type T in scope (half or __nv_bfloat16).
+#define MINFER_WGMMA_BY_TYPE(WGMMA, ...)                       \
+    do {                                                       \
+        if constexpr (std::is_same_v<T, half>) {               \
+            WGMMA("f16", __VA_ARGS__);                         \
+        } else {                                               \
+            WGMMA("bf16", __VA_ARGS__);                        \
+        }                                                      \
+    } while (0)
 
 // Named barrier `id` over `threads` threads: sync waits for all of them, arrive only counts itself.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
@@ -149,6 +159,23 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// One output box of a consumer warpgroup through a swizzled shared buffer: once the TMA store that last read
+// `buf` is done with it, `fill()` writes it (all 128 threads of the warpgroup, named barrier `barrier`), then the
+// `leader` thread stores it to (c0, c1) of `map`.
+template <class Fill>
+__device__ __forceinline__ void store_box(const CUtensorMap* map, uint32_t buf, int c0, int c1, int barrier,
+                                          bool leader, Fill&& fill) {
+    if (leader) tma_store_wait_read<1>();
+    named_barrier_sync(barrier, 128);
+    fill();
+    fence_proxy_async();
+    named_barrier_sync(barrier, 128);
+    if (leader) {
+        tma_store(map, buf, c0, c1);
+        tma_store_commit();
+    }
 }
 
 template <int R> __device__ __forceinline__ void setmaxnreg_inc() {

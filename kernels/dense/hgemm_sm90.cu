@@ -12,18 +12,9 @@
 // tile: each loads half of it and multicasts that half into both CTAs' shared memory, so W moves
 // from L2 once per pair. A stage is then free only when the consumers of both CTAs are done with
 // it, so consumers also arrive on the peer CTA's `empty` barrier.
-#include <type_traits>
-
-#include "common/sm90_pipeline.cuh"
+#include "common/sm90a.cuh"
 #include "hgemm.h"
 #include "hgemm_common.cuh"
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "hgemm_sm90.cu needs the sm_90a target for wgmma and setmaxnreg: build for Hopper with TORCH_CUDA_ARCH_LIST=9.0a"
-#endif
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MINFER_SM90A 1
-#endif
 
 namespace minfer {
 
@@ -93,14 +84,7 @@ __device__ __forceinline__ void cluster_sync() {
                  ".f32." TYPE "." TYPE " {" REGS "}, %" DA ", %" DB ", p, 1, 1, 0, 0;\n}\n"                 \
                  : __VA_ARGS__                                                                             \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-#define MINFER_WGMMA_TYPED(...)                                \
-    do {                                                       \
-        if constexpr (std::is_same_v<T, half>) {               \
-            MINFER_WGMMA("f16", __VA_ARGS__);                  \
-        } else {                                               \
-            MINFER_WGMMA("bf16", __VA_ARGS__);                 \
-        }                                                      \
-    } while (0)
+#define MINFER_WGMMA_TYPED(...) MINFER_WGMMA_BY_TYPE(MINFER_WGMMA, __VA_ARGS__)
 
 template <int BN, typename T>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
@@ -235,22 +219,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int c = 0; c < BN / kEpiCols; ++c, ++epi) {
                 const uint32_t buf = epi_own + (epi & 1) * kEpiBytes;
-                if (t128 == 0) tma_store_wait_read<1>();  // the store that last used this buffer has read it
-                named_barrier_sync(1 + consumer, 128);
+                store_box(&map_y, buf, tile.n * BN + c * kEpiCols, row0, 1 + consumer, t128 == 0, [&] {
 #pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    const int j = c * 8 + 2 * p;  // n8 blocks j and j + 1
-                    const int chunk = 2 * p + epi_block;
-                    stmatrix_x4(buf + epi_row * 128 + ((chunk ^ (epi_row & 7)) << 4),
-                                pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
-                                pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
-                }
-                fence_proxy_async();
-                named_barrier_sync(1 + consumer, 128);
-                if (t128 == 0) {
-                    tma_store(&map_y, buf, tile.n * BN + c * kEpiCols, row0);
-                    tma_store_commit();
-                }
+                    for (int p = 0; p < 4; ++p) {
+                        const int j = c * 8 + 2 * p;  // n8 blocks j and j + 1
+                        const int chunk = 2 * p + epi_block;
+                        stmatrix_x4(buf + epi_row * 128 + ((chunk ^ (epi_row & 7)) << 4),
+                                    pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
+                                    pack2<T>(acc[4 * j + 4], acc[4 * j + 5]),
+                                    pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
+                    }
+                });
             }
         }
         if (t128 == 0) tma_store_wait_all();
@@ -371,22 +350,7 @@ const char* launch_typed(const void* x, const void* w, void* y, int m, int n, in
 
 }  // namespace
 
-bool hgemm_sm90_available() {
-    static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
-    const int device = current_device();
-    int state = cached[device].load(std::memory_order_relaxed);
-    if (state == 0) {
-        cudaDeviceProp prop;
-        cudaFuncAttributes attr;
-        // sm_90 machine code compiled from sm_90a PTX (the #error above rules out plain sm_90).
-        const bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256, 1>) == cudaSuccess &&
-                        attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_tiled() != nullptr;
-        state = ok ? 2 : 1;
-        cached[device].store(state, std::memory_order_relaxed);
-    }
-    return state == 2;
-}
+bool hgemm_sm90_available() { return sm90a_kernel_available<hgemm_sm90_kernel<half, 256, 1>>(); }
 
 const char* launch_hgemm_sm90(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
                               int cluster, cudaStream_t stream) {

@@ -18,18 +18,9 @@
 // in two register sets, and each set is stored once more to a per-thread shared slot after the wait that
 // retires its wgmmas: a shared store cannot move above that wait (wgmmas read shared memory), so the registers
 // stay live, and the next k-block's words go elsewhere.
-#include <type_traits>
-
-#include "common/sm90_pipeline.cuh"
+#include "common/sm90a.cuh"
 #include "dense/hgemm_common.cuh"
 #include "sparse24.h"
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "sparse24_gemm_sm90.cu needs the sm_90a target for wgmma.sp: build for Hopper with TORCH_CUDA_ARCH_LIST=9.0a"
-#endif
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MINFER_SM90A 1
-#endif
 
 namespace minfer {
 
@@ -93,14 +84,7 @@ __device__ __forceinline__ uint2 load_shared_8B(uint32_t addr) {
                  ".f32." TYPE "." TYPE " {" REGS "}, %" DA ", %" DB ", %" E ", 0, p, 1, 1, 0, 0;\n}\n"          \
                  : __VA_ARGS__                                                                               \
                  : "l"(desc_a), "l"(desc_b), "r"(meta), "r"(scale_d))
-#define MINFER_WGMMA_SP_TYPED(...)                             \
-    do {                                                       \
-        if constexpr (std::is_same_v<T, half>) {               \
-            MINFER_WGMMA_SP("f16", __VA_ARGS__);               \
-        } else {                                               \
-            MINFER_WGMMA_SP("bf16", __VA_ARGS__);              \
-        }                                                      \
-    } while (0)
+#define MINFER_WGMMA_SP_TYPED(...) MINFER_WGMMA_BY_TYPE(MINFER_WGMMA_SP, __VA_ARGS__)
 
 template <int BN, typename T>
 __device__ __forceinline__ void wgmma_sp_k32(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, uint32_t meta,
@@ -252,24 +236,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                     if (token0 >= M) break;
                     const uint32_t buf = epi_own + (epi & 1) * kEpiBytes;
                     ++epi;
-                    if (t128 == 0) tma_store_wait_read<1>();  // the store that last used this buffer has read it
-                    named_barrier_sync(1 + consumer, 128);
+                    store_box(&map_y, buf, feature0, token0, 1 + consumer, t128 == 0, [&] {
 #pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        const int i = c * 8 + 2 * p;  // n8 blocks i and i + 1
-                        const int row = 16 * p + epi_token;
-                        stmatrix_x4<true>(buf + row * 128 + ((epi_chunk ^ (row & 7)) << 4),
-                                          pack2<T>(acc[j][4 * i], acc[j][4 * i + 1]),
-                                          pack2<T>(acc[j][4 * i + 2], acc[j][4 * i + 3]),
-                                          pack2<T>(acc[j][4 * i + 4], acc[j][4 * i + 5]),
-                                          pack2<T>(acc[j][4 * i + 6], acc[j][4 * i + 7]));
-                    }
-                    fence_proxy_async();
-                    named_barrier_sync(1 + consumer, 128);
-                    if (t128 == 0) {
-                        tma_store(&map_y, buf, feature0, token0);
-                        tma_store_commit();
-                    }
+                        for (int p = 0; p < 4; ++p) {
+                            const int i = c * 8 + 2 * p;  // n8 blocks i and i + 1
+                            const int row = 16 * p + epi_token;
+                            stmatrix_x4<true>(buf + row * 128 + ((epi_chunk ^ (row & 7)) << 4),
+                                              pack2<T>(acc[j][4 * i], acc[j][4 * i + 1]),
+                                              pack2<T>(acc[j][4 * i + 2], acc[j][4 * i + 3]),
+                                              pack2<T>(acc[j][4 * i + 4], acc[j][4 * i + 5]),
+                                              pack2<T>(acc[j][4 * i + 6], acc[j][4 * i + 7]));
+                        }
+                    });
                 }
             }
         }
@@ -324,21 +302,7 @@ const char* launch_typed(const void* values, const int32_t* gemm_meta, const voi
 
 }  // namespace
 
-bool sparse24_gemm_sm90_available() {
-    static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
-    const int device = current_device();
-    int state = cached[device].load(std::memory_order_relaxed);
-    if (state == 0) {
-        cudaDeviceProp prop;
-        cudaFuncAttributes attr;
-        const bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                        cudaFuncGetAttributes(&attr, sparse24_gemm_sm90_kernel<half, 128, 128>) == cudaSuccess &&
-                        attr.binaryVersion == 90 && encode_tiled() != nullptr;
-        state = ok ? 2 : 1;
-        cached[device].store(state, std::memory_order_relaxed);
-    }
-    return state == 2;
-}
+bool sparse24_gemm_sm90_available() { return sm90a_kernel_available<sparse24_gemm_sm90_kernel<half, 128, 128>>(); }
 
 const char* launch_sparse24_gemm(const void* values, const int32_t* gemm_meta, const void* x, void* y, int64_t m,
                                  int64_t n, int64_t k, DType dtype, Sparse24GemmTile tile, cudaStream_t stream) {
