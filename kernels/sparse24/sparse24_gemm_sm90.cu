@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (lane == 0) mbar_arrive(empty_bar + 8 * s);
         };
         float acc[RB][BN / 2] = {};
-        uint32_t meta_even[RB][Tile::kSteps], meta_odd[RB][Tile::kSteps];
+        uint32_t meta_even[RB][Tile::kSteps] = {}, meta_odd[RB][Tile::kSteps] = {};
         // Even and odd k-blocks' slots apart, so that no store overwrites the other set's unread.
         const uint32_t keep_even = keep_base + (threadIdx.x - 128) * 16 * RB, keep_odd = keep_even + 8 * RB;
         auto keep_metadata = [&](uint32_t (&meta)[RB][Tile::kSteps], uint32_t slot) {
