@@ -7,6 +7,7 @@ import torch
 from minfer import ops
 from minfer.errors import FormatError, MinferError
 from minfer.formats import FORMATS
+from minfer.formats import sparse24 as sparse24_format
 from minfer.sparsity import prune_to_structure_
 from tests.conftest import requires_cuda
 from tests.numerics import fused_linear_reference64, rel_error
@@ -194,3 +195,128 @@ def test_opcheck(tokens):
                           (x, fmt.values, fmt.meta, out[:, :32].contiguous(), g, 1e-5, False, True))
     dense = torch.empty(64, 96, dtype=torch.float16, device="cuda")
     torch.library.opcheck(torch.ops.minfer.sparse24_decompress.default, (fmt.values, fmt.meta, dense))
+
+
+# ---- the prefill GEMM (sm_90, wgmma.mma_async.sp) and its metadata order ----
+
+
+
+def test_gemm_metadata_matches_the_formula_and_round_trips():
+    for rows, cols in ((70, 200), (300, 4104), (8, 64)):
+        meta = Sparse24.from_dense(matrix_24(rows, cols, torch.float32, seed=rows)).meta
+        gemm = ops.sparse24_gemm_metadata(meta)
+        words = meta.shape[1]
+        assert gemm.dtype == torch.int32 and gemm.shape == (-(-rows // 256) * 4, -(-words // 4) * 2, 128)
+        padded = torch.full((gemm.shape[0] * 64, gemm.shape[1] * 2), 0x44444444, dtype=torch.int64)
+        padded[:rows, :words] = meta.long() & 0xFFFFFFFF
+        flat = gemm.long() & 0xFFFFFFFF
+        for b, a, w, t, g, s in torch.cartesian_prod(*(torch.arange(n) for n in gemm.shape[:2]),
+                                                     torch.arange(4), torch.arange(2), torch.arange(8),
+                                                     torch.arange(2))[::7].tolist():
+            row, word = 64 * b + 16 * w + g, 2 * a + s
+            expected = (padded[row, word] >> 16 * t) & 0xFFFF | ((padded[row + 8, word] >> 16 * t) & 0xFFFF) << 16
+            assert flat[b, a, 32 * w + 16 * t + 2 * g + s] == expected, (rows, cols, b, a, w, t, g, s)
+        assert torch.equal(ops.sparse24_meta_from_gemm_metadata(gemm, rows, words), meta)
+
+
+def test_gemm_reference_path_on_cpu():
+    w = matrix_24(40, 192)
+    fmt = Sparse24.from_dense(w)
+    x = torch.randn(33, 192, dtype=torch.float16)
+    out = ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata())
+    assert rel_error(out, x.double() @ w.double().T) < TOLERANCE[torch.float16]
+    with pytest.raises(FormatError, match="K=100"):
+        ops.sparse24_gemm(torch.randn(3, 100, dtype=torch.float16), fmt.values, fmt.gemm_metadata())
+    with pytest.raises(FormatError, match="tile is one of"):
+        ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata(), tile="64x64")
+
+
+def gemm_case(m: int, n: int, k: int, dtype, seed: int = 0):
+    w = matrix_24(n, k, dtype, "cuda", seed=seed)
+    fmt = Sparse24.from_dense(w)
+    x = torch.randn(m, k, dtype=dtype, device="cuda")
+    return w, fmt, x
+
+
+def explain_mismatch(out: torch.Tensor, expected: torch.Tensor) -> str:
+    """Where the outputs are wrong: a wrong metadata layout or descriptor shows as a pattern in the
+    feature index modulo 16 / 64 or the token index modulo 8."""
+    bad = (out.double() - expected).abs() > 0.05 * expected.abs().max()
+    tokens, features = bad.nonzero(as_tuple=True)
+    if tokens.numel() == 0:
+        return "no element off by more than 5% of the largest"
+    return (f"{tokens.numel()} of {bad.numel()} wrong; features % 64: {sorted(set((features % 64).tolist()))[:16]}; "
+            f"tokens % 8: {sorted(set((tokens % 8).tolist()))}; first (token, feature) "
+            f"{(int(tokens[0]), int(features[0]))}")
+
+
+@requires_cuda
+@pytest.mark.memcheck
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemm_one_tile(dtype):
+    """One CTA's tile: the first thing to look at when the metadata layout or a descriptor is wrong."""
+    w, fmt, x = gemm_case(64, 128, 128, dtype, seed=7)
+    assert ops.sparse24_gemm_takes(x, 128, 128)
+    out = ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata())
+    expected = x.double() @ w.double().T
+    assert rel_error(out, expected) < TOLERANCE[dtype], explain_mismatch(out, expected)
+
+
+@requires_cuda
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("tile", ops.SPARSE24_GEMM_TILES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(77, 200, 192), (1, 8, 64), (300, 520, 1024), (513, 4096, 4096),
+                                   (129, 4104, 256), (1000, 264, 11008), (4100, 136, 320)])
+def test_gemm_matches_float64(m, n, k, dtype, tile):
+    """Odd token counts, N off every tile (and off the 256-row metadata padding), an odd number of k-blocks,
+    long K (many k-blocks in flight one after another: where the first build went wrong)."""
+    w, fmt, x = gemm_case(m, n, k, dtype, seed=m + n)
+    out = ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata(), tile=tile)
+    expected = x.double() @ w.double().T
+    assert rel_error(out, expected) < TOLERANCE[dtype], explain_mismatch(out, expected)
+
+
+@requires_cuda
+@pytest.mark.racecheck
+def test_gemm_several_tiles_per_cta():
+    """More tiles than SMs: each CTA runs its ring and its epilogue buffers over several tiles."""
+    w, fmt, x = gemm_case(2 * 128 + 5, 128 * 80, 128, torch.float16, seed=3)
+    out = ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata())
+    assert rel_error(out, x.double() @ w.double().T) < TOLERANCE[torch.float16]
+
+
+@requires_cuda
+@pytest.mark.memcheck_skip
+def test_gemm_gives_the_same_bits_every_time():
+    """A race (the first build's metadata registers) shows as results that change from call to call."""
+    _, fmt, x = gemm_case(640, 1024, 4096, torch.float16, seed=11)
+    first = ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata())
+    for tile in ops.SPARSE24_GEMM_TILES:
+        for _ in range(5):
+            assert torch.equal(ops.sparse24_gemm(x, fmt.values, fmt.gemm_metadata(), tile=tile), first), tile
+
+
+@requires_cuda
+def test_prefill_runs_the_gemm_where_it_can_and_refuses_the_rest(monkeypatch):
+    monkeypatch.setattr(sparse24_format, "GEMM_MIN_TOKENS", 17)
+    w = matrix_24(264, 256, device="cuda", seed=5)
+    fmt = Sparse24.from_dense(w)
+    before = fmt.nbytes
+    x = torch.randn(2, 40, 256, dtype=torch.float16, device="cuda")
+    assert rel_error(fmt(x), x.double() @ w.double().T) < TOLERANCE[torch.float16]
+    assert fmt.nbytes == before + fmt.gemm_metadata().numel() * 4  # the GEMM's metadata copy now counts
+    odd = Sparse24.from_dense(matrix_24(264, 200, device="cuda", seed=5))  # K % 64 != 0: decompress + cuBLAS
+    assert not ops.sparse24_gemm_takes(x[0, :, :200], 264, 200)
+    assert rel_error(odd(x[..., :200]), x[..., :200].double() @ odd.to_dense().double().T) < 2e-3
+    with pytest.raises(RuntimeError, match="K % 64 == 0"):
+        torch.ops.minfer.sparse24_gemm(x[0, :, :200].contiguous(), odd.values[:, :100].contiguous(),
+                                       odd.gemm_metadata(), torch.empty(40, 264, dtype=torch.float16, device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.memcheck_skip
+def test_gemm_opcheck():
+    _, fmt, x = gemm_case(70, 136, 192, torch.float16)
+    out = torch.empty(70, 136, dtype=torch.float16, device="cuda")
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemm.default, (x, fmt.values, fmt.gemm_metadata(), out))

@@ -12,18 +12,9 @@
 // tile: each loads half of it and multicasts that half into both CTAs' shared memory, so W moves
 // from L2 once per pair. A stage is then free only when the consumers of both CTAs are done with
 // it, so consumers also arrive on the peer CTA's `empty` barrier.
-#include <type_traits>
-
-#include "common/sm90_pipeline.cuh"
+#include "common/sm90a.cuh"
 #include "hgemm.h"
 #include "hgemm_common.cuh"
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#error "hgemm_sm90.cu needs the sm_90a target for wgmma and setmaxnreg: build for Hopper with TORCH_CUDA_ARCH_LIST=9.0a"
-#endif
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MINFER_SM90A 1
-#endif
 
 namespace minfer {
 
@@ -52,15 +43,6 @@ struct Sm90Tile {
 };
 
 #ifdef MINFER_SM90A
-
-// Box at (c0 = column, c1 = row) of a 2-D tensor map -> shared memory; completes on `bar`.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::
-            "r"(dst),
-        "l"(map), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
 
 // The same box into this and every CTA of `cta_mask`, at the same shared-memory offsets; each
 // destination's barrier at `bar`'s offset counts the bytes.
@@ -95,71 +77,6 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// Shared memory -> box at (c0, c1); the parts of the box outside the tensor are not written.
-__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int c0, int c1) {
-    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(map), "r"(c0),
-                 "r"(c1), "r"(src)
-                 : "memory");
-}
-
-__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-
-// Waits until at most N committed stores still read their shared-memory source.
-template <int N> __device__ __forceinline__ void tma_store_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-
-// Orders this thread's ordinary shared-memory writes before later async-proxy (TMA) reads.
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-                 "r"(r2), "r"(r3)
-                 : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving accumulator reads or writes across a wgmma wait.
-template <int R> __device__ __forceinline__ void fence_registers(float (&d)[R]) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Shared-memory matrix descriptor for a K-major operand in the 128-byte swizzle layout TMA writes:
-// rows of 128 bytes, groups of 8 rows 1024 bytes apart (stride byte offset); the leading byte
-// offset is unused when the instruction's K (32 bytes) lies inside one swizzle row. Adding 2 to
-// the descriptor steps 32 bytes (16 halfs) along K.
-__device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
-// PTX names every accumulator register of a wgmma, so the operand lists are written out.
-#define MINFER_WGMMA_REGS0                                                         \
-    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define MINFER_WGMMA_REGS1                                                                  \
-    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-#define MINFER_WGMMA_REGS2                                                                  \
-    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-#define MINFER_WGMMA_REGS3                                                                           \
-    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define MINFER_F8(i) \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define MINFER_F32(i) MINFER_F8(i), MINFER_F8(i + 8), MINFER_F8(i + 16), MINFER_F8(i + 24)
-
 // D (64 x N, fp32) = A (64 x 16) * B (16 x N) + scale_d * D; DA, DB, SD: operand numbers of the
 // descriptors and of scale_d, which follow the N / 2 accumulators.
 #define MINFER_WGMMA(TYPE, SHAPE, REGS, DA, DB, SD, ...)                                                    \
@@ -167,14 +84,7 @@ __device__ __forceinline__ uint64_t smem_descriptor(uint32_t addr) {
                  ".f32." TYPE "." TYPE " {" REGS "}, %" DA ", %" DB ", p, 1, 1, 0, 0;\n}\n"                 \
                  : __VA_ARGS__                                                                             \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-#define MINFER_WGMMA_TYPED(...)                                \
-    do {                                                       \
-        if constexpr (std::is_same_v<T, half>) {               \
-            MINFER_WGMMA("f16", __VA_ARGS__);                  \
-        } else {                                               \
-            MINFER_WGMMA("bf16", __VA_ARGS__);                 \
-        }                                                      \
-    } while (0)
+#define MINFER_WGMMA_TYPED(...) MINFER_WGMMA_BY_TYPE(MINFER_WGMMA, __VA_ARGS__)
 
 template <int BN, typename T>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
@@ -309,22 +219,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int c = 0; c < BN / kEpiCols; ++c, ++epi) {
                 const uint32_t buf = epi_own + (epi & 1) * kEpiBytes;
-                if (t128 == 0) tma_store_wait_read<1>();  // the store that last used this buffer has read it
-                named_barrier_sync(1 + consumer, 128);
+                store_box(&map_y, buf, tile.n * BN + c * kEpiCols, row0, 1 + consumer, t128 == 0, [&] {
 #pragma unroll
-                for (int p = 0; p < 4; ++p) {
-                    const int j = c * 8 + 2 * p;  // n8 blocks j and j + 1
-                    const int chunk = 2 * p + epi_block;
-                    stmatrix_x4(buf + epi_row * 128 + ((chunk ^ (epi_row & 7)) << 4),
-                                pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
-                                pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
-                }
-                fence_proxy_async();
-                named_barrier_sync(1 + consumer, 128);
-                if (t128 == 0) {
-                    tma_store(&map_y, buf, tile.n * BN + c * kEpiCols, row0);
-                    tma_store_commit();
-                }
+                    for (int p = 0; p < 4; ++p) {
+                        const int j = c * 8 + 2 * p;  // n8 blocks j and j + 1
+                        const int chunk = 2 * p + epi_block;
+                        stmatrix_x4(buf + epi_row * 128 + ((chunk ^ (epi_row & 7)) << 4),
+                                    pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
+                                    pack2<T>(acc[4 * j + 4], acc[4 * j + 5]),
+                                    pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
+                    }
+                });
             }
         }
         if (t128 == 0) tma_store_wait_all();
@@ -334,31 +239,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         cluster_sync();  // no CTA leaves while its peer may still signal its barriers
     }
 #endif
-}
-
-// 2-D map over a row-major [rows, cols] matrix, boxes of box_rows x 64 columns, 128-byte swizzle;
-// elements outside the matrix load as zeros and are not stored.
-bool make_map(CUtensorMap* map, const void* ptr, DType dtype, int rows, int cols, int box_rows) {
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-    const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(cols) * 2};
-    const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)};
-    return encode_swizzled_map(map, ptr, dtype, 2, dims, row_stride, box);
-}
-
-int current_device() {
-    int device = 0;
-    cudaGetDevice(&device);
-    return device & 63;
-}
-
-int multiprocessors(int device) {
-    static std::atomic<int> cached[64] = {};
-    int sms = cached[device].load(std::memory_order_relaxed);
-    if (sms == 0) {
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-        cached[device].store(sms, std::memory_order_relaxed);
-    }
-    return sms;
 }
 
 cudaLaunchAttribute cluster_dimension(int cluster) {
@@ -405,8 +285,8 @@ const char* launch_tile(const void* x, const void* w, void* y, int m, int n, int
     // they only feed accumulator rows >= M, which are never stored.
     const int x_box_rows = m < kBM ? (m + 7) / 8 * 8 : kBM;
     CUtensorMap map_x, map_w, map_y;
-    if (!make_map(&map_x, x, dtype, m, k, x_box_rows) || !make_map(&map_w, w, dtype, n, k, BN / CLUSTER) ||
-        !make_map(&map_y, y, dtype, m, n, 64))
+    if (!make_map(&map_x, x, dtype, m, k, 2 * k, x_box_rows) ||
+        !make_map(&map_w, w, dtype, n, k, 2 * k, BN / CLUSTER) || !make_map(&map_y, y, dtype, m, n, 2 * n, 64))
         return "cuTensorMapEncodeTiled failed (driver too old for TMA, or a pointer not 16-byte aligned)";
     const int device = current_device();
     const int units = ((m + kBM * CLUSTER - 1) / (kBM * CLUSTER)) * ((n + BN - 1) / BN);
@@ -470,22 +350,7 @@ const char* launch_typed(const void* x, const void* w, void* y, int m, int n, in
 
 }  // namespace
 
-bool hgemm_sm90_available() {
-    static std::atomic<int> cached[64] = {};  // 0 unknown, 1 no, 2 yes
-    const int device = current_device();
-    int state = cached[device].load(std::memory_order_relaxed);
-    if (state == 0) {
-        cudaDeviceProp prop;
-        cudaFuncAttributes attr;
-        // sm_90 machine code compiled from sm_90a PTX (the #error above rules out plain sm_90).
-        const bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
-                        cudaFuncGetAttributes(&attr, hgemm_sm90_kernel<half, 256, 1>) == cudaSuccess &&
-                        attr.binaryVersion == 90 && attr.ptxVersion >= 90 && encode_tiled() != nullptr;
-        state = ok ? 2 : 1;
-        cached[device].store(state, std::memory_order_relaxed);
-    }
-    return state == 2;
-}
+bool hgemm_sm90_available() { return sm90a_kernel_available<hgemm_sm90_kernel<half, 256, 1>>(); }
 
 const char* launch_hgemm_sm90(const void* x, const void* w, void* y, int m, int n, int k, DType dtype, int tile_n,
                               int cluster, cudaStream_t stream) {

@@ -1,4 +1,5 @@
-// 2:4 semi-structured sparse matrices (docs/FORMATS.md, "2:4"): the decode GEMV and decompression.
+// 2:4 semi-structured sparse matrices (docs/FORMATS.md, "2:4"): the decode GEMV, decompression and the
+// prefill GEMM on Hopper's sparse tensor cores.
 // A rows x cols matrix is stored as `values` [rows][C32 / 2] (the 2 kept entries of every group of 4
 // columns, in column order) and `meta` [rows][C32 / 32] int32 (bits 4j..4j+3 of word c: group 8c + j's two
 // slots, slot0 | slot1 << 2, slot0 < slot1), C32 = cols rounded up to a multiple of 32, padding zero.
@@ -18,6 +19,26 @@ constexpr int kSparse24MaxTokens = 16;  // two n = 8 mma tiles
 void launch_sparse24_gemv(const void* values, const int32_t* meta, const void* x, void* out, int64_t tokens,
                           int64_t rows, int64_t cols, DType dtype, const ProjectionFusion& fusion,
                           cudaStream_t stream);
+
+// The prefill GEMM's metadata order (`gemm_meta`, docs/FORMATS.md): int32 [R256 / 64][K128 / 64][128], R256
+// the rows rounded up to 256, K128 the columns rounded up to 128; atom (row block b, column block a) word
+// 32 w + 16 t + 2 g + s holds, for rows r = 64 b + 16 w + g and r + 8 (low and high 16 bits), bits 16 t .. 16 t + 15
+// of meta word 2 a + s. Padding holds 0x4444 halves (slots 0, 1).
+constexpr int kSparse24GemmAtomWords = 128;
+constexpr int kSparse24GemmRowMultiple = 256;
+constexpr int kSparse24GemmKMultiple = 64;  // what the GEMM takes: K % 64 == 0, N % 8 == 0
+
+// The GEMM's tiles, weight rows x tokens; kAuto picks by shape (the launcher's choose_tile).
+enum class Sparse24GemmTile : int { kAuto = 0, k128x128 = 1, k128x256 = 2, k256x128 = 3 };
+
+// y [m, n] = x [m, k] @ W^T for W the [n, k] matrix of `values` [n, k / 2] and `gemm_meta`, fp32 accumulation,
+// on sm_90a (wgmma.mma_async.sp). Tensors contiguous, 16-byte aligned. Returns nullptr on success, else what
+// is wrong.
+const char* launch_sparse24_gemm(const void* values, const int32_t* gemm_meta, const void* x, void* y, int64_t m,
+                                 int64_t n, int64_t k, DType dtype, Sparse24GemmTile tile, cudaStream_t stream);
+
+// True when the current device is an sm_90 part and this build holds the sm_90a GEMM for it.
+bool sparse24_gemm_sm90_available();
 
 // out [rows][cols] (contiguous) = the dense matrix of the arrays.
 void launch_sparse24_decompress(const void* values, const int32_t* meta, void* out, int64_t rows, int64_t cols,

@@ -1,4 +1,4 @@
-// 2:4 sparse matrices (sparse24.h): the decode GEMV and decompression.
+// 2:4 sparse matrices (sparse24.h): the decode GEMV, decompression and the sm_90 prefill GEMM.
 // Each binding checks the tensors and forwards raw pointers to the framework-free launchers.
 #include "common/torch_binding.h"
 #include "sparse24/sparse24.h"
@@ -77,15 +77,61 @@ void sparse24_decompress(const at::Tensor& values, const at::Tensor& meta, at::T
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+minfer::Sparse24GemmTile gemm_tile(const std::string& name) {
+    if (name == "auto") return minfer::Sparse24GemmTile::kAuto;
+    if (name == "128x128") return minfer::Sparse24GemmTile::k128x128;
+    if (name == "128x256") return minfer::Sparse24GemmTile::k128x256;
+    MINFER_CHECK(name == "256x128", "minfer.sparse24_gemm: tile is auto, 128x128, 128x256 or 256x128, got ", name);
+    return minfer::Sparse24GemmTile::k256x128;
+}
+
+void sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& gemm_meta, at::Tensor& out,
+                   c10::string_view tile) {
+    const minfer::Sparse24GemmTile tile_choice = gemm_tile(std::string(tile));
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(out, "out");
+    check_cuda_contiguous(values, "values");
+    check_cuda_contiguous(gemm_meta, "gemm_meta");
+    MINFER_CHECK(x.dim() == 2 && out.dim() == 2 && values.dim() == 2,
+                 "minfer.sparse24_gemm: expects x [M, K], values [N, K / 2] and out [M, N]");
+    const int64_t m = x.size(0), k = x.size(1), n = values.size(0);
+    MINFER_CHECK(k % minfer::kSparse24GemmKMultiple == 0 && n % 8 == 0 && m >= 1 && n >= 1,
+                 "minfer.sparse24_gemm: takes K % ", minfer::kSparse24GemmKMultiple, " == 0 and N % 8 == 0, got K=", k,
+                 ", N=", n);
+    MINFER_CHECK(values.size(1) * 2 == k, "minfer.sparse24_gemm: values must be [N, K / 2] for K=", k);
+    const int64_t row_blocks = (n + minfer::kSparse24GemmRowMultiple - 1) / minfer::kSparse24GemmRowMultiple * 4;
+    const int64_t k_atoms = (k + 127) / 128 * 2;
+    MINFER_CHECK(gemm_meta.scalar_type() == at::kInt && gemm_meta.dim() == 3 && gemm_meta.size(0) == row_blocks &&
+                     gemm_meta.size(1) == k_atoms && gemm_meta.size(2) == minfer::kSparse24GemmAtomWords,
+                 "minfer.sparse24_gemm: gemm_meta must be int32 [", row_blocks, ", ", k_atoms, ", ",
+                 minfer::kSparse24GemmAtomWords, "]");
+    MINFER_CHECK(out.size(0) == m && out.size(1) == n, "minfer.sparse24_gemm: out must be [", m, ", ", n, "]");
+    MINFER_CHECK(values.scalar_type() == at::kHalf || values.scalar_type() == at::kBFloat16,
+                 "minfer.sparse24_gemm: values must be float16 or bfloat16");
+    MINFER_CHECK(x.scalar_type() == values.scalar_type() && out.scalar_type() == values.scalar_type(),
+                 "minfer.sparse24_gemm: x, values and out must share one dtype");
+    MINFER_CHECK(x.device() == values.device() && out.device() == values.device() &&
+                     gemm_meta.device() == values.device(),
+                 "minfer.sparse24_gemm: tensors on different devices");
+    MINFER_CHECK(m < INT32_MAX && values.numel() < INT32_MAX, "minfer.sparse24_gemm: too large for int32 indices");
+    const c10::cuda::CUDAGuard guard(values.device());
+    const char* error =
+        minfer::launch_sparse24_gemm(values.data_ptr(), gemm_meta.data_ptr<int32_t>(), x.data_ptr(), out.data_ptr(),
+                                     m, n, k, dtype_of(values), tile_choice, current_stream());
+    MINFER_CHECK(error == nullptr, "minfer.sparse24_gemm: ", error);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("sparse24_gemv(Tensor x, Tensor values, Tensor meta, Tensor(a!) out, Tensor? norm_weight=None, "
           "float eps=0.0, bool accumulate=False, bool silu_mul=False) -> ()");
     m.def("sparse24_decompress(Tensor values, Tensor meta, Tensor(a!) out) -> ()");
+    m.def("sparse24_gemm(Tensor x, Tensor values, Tensor gemm_meta, Tensor(a!) out, str tile=\"auto\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("sparse24_gemv", &sparse24_gemv);
     m.impl("sparse24_decompress", &sparse24_decompress);
+    m.impl("sparse24_gemm", &sparse24_gemm);
 }

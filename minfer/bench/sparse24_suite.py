@@ -7,8 +7,9 @@ native orientation), then llama2-7b decode with random weights: dense, MACKO at 
     python apps/benchmark.py --suite sparse24
 
 decode: 1..16 tokens, minfer's 2:4 GEMV (ops.sparse24_gemv) against minfer's dense GEMV (up to 8 tokens),
-cuBLAS and cuSPARSELt. prefill: 512, 2048, 8192 tokens, what a 2:4 layer runs for them (decompression into
-the scratch buffer, then cuBLAS) against cuBLAS, minfer's HGEMM and cuSPARSELt. Graph-capturable ops run
+cuBLAS and cuSPARSELt. prefill: 512, 2048, 8192 tokens, what a 2:4 layer runs for them and the sparse
+tensor-core GEMM (ops.sparse24_gemm, sm_90; its largest error against cuBLAS over its tiles beside it), against
+cuBLAS, minfer's HGEMM and cuSPARSELt. Graph-capturable ops run
 back to back in a CUDA graph over copies rotated past L2 (`timing.time_graph`); cuSPARSELt is timed eagerly,
 back to back between two events.
 """
@@ -49,6 +50,8 @@ COLUMNS = {
     "prefill": [report.Column(*c) for c in [
         ("shape", "shape"), ("tokens", "T"), ("minfer_ms", "2:4 layer ms", "{:.4f}"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
+        ("gemm_ms", "sparse GEMM ms", "{:.4f}"), ("gemm_vs_cublas", "GEMM vs cuBLAS", "{:.2f}x"),
+        ("gemm_vs_cusparselt", "GEMM vs cuSPARSELt", "{:.2f}x"), ("gemm_error", "GEMM rel err", "{:.1e}"),
         ("hgemm_ms", "minfer hgemm ms", "{:.4f}"), ("cusparselt_ms", "cuSPARSELt ms", "{:.4f}"),
         ("vs_cusparselt", "vs cuSPARSELt", "{:.2f}x"), ("cusparselt_vs_cublas", "cuSPARSELt vs cuBLAS", "{:.2f}x")]],
     "e2e": [report.Column(*c) for c in [
@@ -105,16 +108,39 @@ def decode_row(m: Matrix, tokens: int, copy_gbs: float, replays: int) -> dict:
             "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms)}
 
 
+def time_layers(m: Matrix, tokens: int, replays: int, op: Callable[[torch.nn.Module, torch.Tensor], object]) -> float:
+    """`op(layer, x)` over 2:4 layers on copies of the arrays rotated past L2 (their GEMM metadata built first)."""
+    gemm_bytes = m.fmt.gemm_metadata().numel() * 4
+    copies = rotated((m.fmt.values, m.fmt.meta), rotation_count(m.fmt.nbytes + gemm_bytes))
+    layers = [FORMATS["2:4"](values, meta, (m.n, m.k)) for values, meta in copies]
+    for layer in layers:
+        layer.gemm_metadata()
+    x = torch.randn(tokens, m.k, device="cuda", dtype=m.dtype)
+    return time_graph(lambda i: op(layers[i], x), len(layers), replays=replays)
+
+
+def gemm_error(m: Matrix, tokens: int) -> float:
+    """The largest relative error (Frobenius) of the sparse GEMM's tiles against cuBLAS on one input."""
+    x = torch.randn(tokens, m.k, device="cuda", dtype=m.dtype)
+    expected = F.linear(x, m.dense).float()
+    return max(float((ops.sparse24_gemm(x, m.fmt.values, m.fmt.gemm_metadata(), tile=tile).float() - expected).norm()
+                     / expected.norm()) for tile in ops.SPARSE24_GEMM_TILES)
+
+
 def prefill_row(m: Matrix, tokens: int, replays: int) -> dict:
-    layer = FORMATS["2:4"]
-    ms = m.time_graph(lambda x, values, meta: layer(values, meta, (m.n, m.k))(x), tokens, (m.fmt.values, m.fmt.meta),
-                      replays)
+    ms = time_layers(m, tokens, replays, lambda layer, x: layer(x))
     cublas_ms = m.time_graph(F.linear, tokens, (m.dense,), replays)
-    hgemm_ms = m.time_graph(ops.hgemm, tokens, (m.dense,), replays)
     cusparselt_ms = m.time_cusparselt(tokens, replays)
-    return {"shape": m.shape, "tokens": tokens, "minfer_ms": ms, "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms,
-            "hgemm_ms": hgemm_ms, "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms),
-            "cusparselt_vs_cublas": ratio(cublas_ms, cusparselt_ms) if cusparselt_ms else None}
+    row = {"shape": m.shape, "tokens": tokens, "minfer_ms": ms, "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms,
+           "hgemm_ms": m.time_graph(ops.hgemm, tokens, (m.dense,), replays), "cusparselt_ms": cusparselt_ms,
+           "vs_cusparselt": ratio(cusparselt_ms, ms),
+           "cusparselt_vs_cublas": ratio(cublas_ms, cusparselt_ms) if cusparselt_ms else None}
+    if ops.sparse24_gemm_takes(m.dense, m.n, m.k):
+        gemm_ms = time_layers(m, tokens, replays,
+                              lambda layer, x: ops.sparse24_gemm(x, layer.values, layer.gemm_metadata()))
+        row.update(gemm_ms=gemm_ms, gemm_vs_cublas=cublas_ms / gemm_ms,
+                   gemm_vs_cusparselt=ratio(cusparselt_ms, gemm_ms), gemm_error=gemm_error(m, tokens))
+    return row
 
 
 def run(sections=SECTIONS, shapes=LLAMA2_7B_SHAPES, decode_tokens=DECODE_TOKENS, prefill_tokens=PREFILL_TOKENS,

@@ -2,8 +2,11 @@
 consecutive columns of a row, stored as the 2 kept values of each group and a 4-bit metadata nibble.
 
 Decode (1..16 tokens) runs the sparse24 GEMV, which fuses the norm, the MLP activation and the residual add
-as the dense GEMV does. Longer inputs (prefill) decompress blocks of rows into the scratch buffer MACKO's
-prefill shares and run dense matmuls, so no dense copy of the model is kept.
+as the dense GEMV does. Prefill decompresses blocks of rows into the scratch buffer MACKO's prefill shares and
+runs dense matmuls, so no dense copy is kept. The sparse tensor-core GEMM (ops.sparse24_gemm, sm_90) takes
+prefill from GEMM_MIN_TOKENS tokens when that is set (K % 64 == 0, N % 8 == 0); it reads the metadata in its own
+order: a second copy, built from `meta` at its first call and rebuilt when `meta` changes (counted in nbytes
+once built).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from .macko import prefill_row_blocks, scratch_matrix
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels take the 16-bit ones
 BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
+# None: the sparse GEMM is not yet verified on the device (docs/perf-notes.md, 2026-11-28: its first build read
+# metadata registers that the next k-block overwrote), so prefill stays on decompression + cuBLAS. Once
+# tests/test_sparse24.py passes on an H200, 17 sends every prefill to it (it timed faster than decompression +
+# cuBLAS from 256 tokens on, on all five Llama-2-7B shapes).
+GEMM_MIN_TOKENS: int | None = None
 
 
 def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +90,23 @@ class Sparse24Weight(WeightFormat):
         super().__init__(rows, cols)
         self.register_buffer("values", values)
         self.register_buffer("meta", meta)
+        self._gemm_meta: torch.Tensor | None = None  # the GEMM's order of `meta`, built by gemm_metadata()
+        self._gemm_meta_of: tuple | None = None  # which `meta` it was built from
+
+    def gemm_metadata(self) -> torch.Tensor:
+        """`meta` in the prefill GEMM's order (ops.sparse24_gemm_metadata), built once per device and contents
+        of `meta` (a loader fills buffers in place, `.to()` moves them)."""
+        source = (self.meta.device, self.meta.data_ptr(), self.meta._version)
+        if self._gemm_meta is None or self._gemm_meta_of != source:
+            self._gemm_meta = ops.sparse24_gemm_metadata(self.meta)
+            self._gemm_meta_of = source
+        return self._gemm_meta
+
+    @property
+    def nbytes(self) -> int:
+        """The buffers, plus the GEMM's metadata copy once a prefill has built it."""
+        extra = 0 if self._gemm_meta is None else self._gemm_meta.numel() * self._gemm_meta.element_size()
+        return super().nbytes + extra
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> Sparse24Weight:
@@ -118,9 +143,12 @@ class Sparse24Weight(WeightFormat):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, flat: torch.Tensor) -> torch.Tensor:
-        """Long inputs: decompress a block of rows at a time into MACKO's scratch buffer and multiply it
-        with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
+        """Long inputs: the sparse GEMM where it is on and runs, else decompress a block of rows at a time into
+        MACKO's scratch buffer and multiply it with cuBLAS, so the scratch stays at macko.PREFILL_SCRATCH_ELEMENTS."""
         rows, cols = self.shape
+        gemm_on = GEMM_MIN_TOKENS is not None and flat.shape[0] >= GEMM_MIN_TOKENS
+        if gemm_on and ops.sparse24_gemm_takes(flat, rows, cols):
+            return ops.sparse24_gemm(flat, self.values, self.gemm_metadata())
         out = torch.empty(flat.shape[0], rows, dtype=flat.dtype, device=flat.device)
         for first, last in prefill_row_blocks(rows, cols):
             weight = scratch_matrix(last - first, cols, self.values.dtype, flat.device)

@@ -97,11 +97,20 @@ from .runtime import (
 )
 from .sparse24 import (
     SPARSE24_CHUNK_COLS,
+    SPARSE24_GEMM_ATOM_WORDS,
+    SPARSE24_GEMM_K_MULTIPLE,
+    SPARSE24_GEMM_ROW_MULTIPLE,
+    SPARSE24_GEMM_TILES,
     SPARSE24_GEMV_MAX_TOKENS,
     check_sparse24_arrays,
     sparse24_decompress,
     sparse24_decompress_reference,
+    sparse24_gemm,
+    sparse24_gemm_metadata,
+    sparse24_gemm_reference,
+    sparse24_gemm_takes,
     sparse24_gemv,
+    sparse24_meta_from_gemm_metadata,
 )
 from .tokens import argmax, argmax_reference, embedding, embedding_reference
 
@@ -109,7 +118,9 @@ __all__ = [
     "ALL_REDUCE_MAX_BLOCKS", "ALL_REDUCE_MAX_BYTES", "BACKENDS", "BLOCKSPARSE_KERNELS", "BLOCKSPARSE_TILE", "DECODE_ATTENTION_KEY_TILE", "DECODE_ATTENTION_MAX_SPLITS",
     "GEMV_MAX_TOKENS", "HGEMM_KERNELS", "KSMM_DTYPES", "KSMM_PATHS", "KSMM_ROWS_MAX_D", "KSMM_ROWS_MAX_TOKENS",
     "MACKO_FUSED_MAX_COLS", "MACKO_SPMM_MAX_TOKENS", "MACKO_TENSOR_CORE_MAX_COLS", "MACKO_TENSOR_CORE_MIN_TOKENS",
-    "MACKO_TILE_ROWS", "MACKO_WINDOW_COLS", "SPARSE24_CHUNK_COLS", "SPARSE24_GEMV_MAX_TOKENS", "add_rms_norm", "argmax",
+    "MACKO_TILE_ROWS", "MACKO_WINDOW_COLS", "SPARSE24_CHUNK_COLS", "SPARSE24_GEMM_ATOM_WORDS",
+    "SPARSE24_GEMM_K_MULTIPLE", "SPARSE24_GEMM_ROW_MULTIPLE", "SPARSE24_GEMM_TILES", "SPARSE24_GEMV_MAX_TOKENS",
+    "add_rms_norm", "argmax",
     "argmax_reference", "backend", "blocksparse_attention", "blocksparse_attention_reference",
     "blocksparse_decode_attention", "blocksparse_decode_attention_reference", "blocksparse_tiles",
     "blocksparse_token_mask", "build", "build_for", "check_macko_arrays", "check_sparse24_arrays", "current_backend",
@@ -122,5 +133,7 @@ __all__ = [
     "one_shot_all_reduce_fits", "one_shot_all_reduce_reference", "require_cuda", "rms_norm",
     "rms_norm_reference", "rope_write_kv", "rope_write_kv_reference", "silu_mul", "silu_mul_reference",
     "sink_window_decode_attention", "sink_window_decode_attention_reference", "sparse24_decompress",
-    "sparse24_decompress_reference", "sparse24_gemv", "target_arch_list", "unpack_nibbles", "use_kernels",
+    "sparse24_decompress_reference", "sparse24_gemm", "sparse24_gemm_metadata", "sparse24_gemm_reference",
+    "sparse24_gemm_takes", "sparse24_gemv", "sparse24_meta_from_gemm_metadata", "target_arch_list",
+    "unpack_nibbles", "use_kernels",
 ]

@@ -1,6 +1,7 @@
-"""2:4 sparse projections (kernels/sparse24): the decode GEMV (1..16 tokens) and decompression, with their
-references. The arrays are minfer.formats.sparse24's `values` [R, C32 / 2] and `meta` [R, C32 / 32] int32
-(C32: the columns rounded up to a multiple of 32); docs/FORMATS.md gives the layout."""
+"""2:4 sparse projections (kernels/sparse24): the decode GEMV (1..16 tokens), decompression and the prefill GEMM
+on Hopper's sparse tensor cores, with their references. The arrays are minfer.formats.sparse24's `values`
+[R, C32 / 2] and `meta` [R, C32 / 32] int32 (C32: the columns rounded up to a multiple of 32), and for the GEMM
+the same metadata in its own order (`sparse24_gemm_metadata`); docs/FORMATS.md gives both layouts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from .runtime import fake_impl, use_kernels
 
 SPARSE24_CHUNK_COLS = 32  # kernels/sparse24/sparse24.h, kSparse24ChunkCols: the columns of one metadata word
 SPARSE24_GEMV_MAX_TOKENS = 16  # kernels/sparse24/sparse24.h, kSparse24MaxTokens: two n = 8 mma tiles
+# kernels/sparse24/sparse24.h: the GEMM metadata's atom (words), its row padding, and the GEMM's K multiple
+SPARSE24_GEMM_ATOM_WORDS = 128
+SPARSE24_GEMM_ROW_MULTIPLE = 256
+SPARSE24_GEMM_K_MULTIPLE = 64
+PADDING_WORD = 0x44444444  # slots 0, 1 in all 8 groups: a valid encoding for padding
 
 
 def _kept_slots(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,4 +105,78 @@ def sparse24_gemv(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out
     else:
         dense = sparse24_decompress_reference(values, meta, k)
         out.copy_(linear_reference(x, dense, norm_weight, eps, out if accumulate else None, silu_mul))
+    return out
+
+
+def sparse24_gemm_metadata(meta: torch.Tensor) -> torch.Tensor:
+    """`meta` [R, W] in the prefill GEMM's order: int32 [R256 / 64, W4 / 2, 128] (R256: R rounded up to 256,
+    W4: W rounded up to 4, padding PADDING_WORD). Atom (b, a) holds rows 64 b .. 64 b + 63 and words 2 a, 2 a + 1;
+    its word 32 w + 16 t + 2 g + s is what lane (g, t) of warp w passes to wgmma.sp for k-step s: bits 16 t ..
+    16 t + 15 of word 2 a + s of row 64 b + 16 w + g in its low half, of row + 8 in its high half."""
+    rows, words = meta.shape
+    row_blocks = -(-rows // SPARSE24_GEMM_ROW_MULTIPLE) * (SPARSE24_GEMM_ROW_MULTIPLE // 64)
+    k_atoms = -(-words // 4) * 2
+    full = torch.full((row_blocks * 64, k_atoms * 2), PADDING_WORD, dtype=torch.int64, device=meta.device)
+    full[:rows, :words] = meta.to(torch.int64) & 0xFFFFFFFF
+    full = full.view(row_blocks, 4, 2, 8, k_atoms, 2)  # block, warp, row half h, g, atom, step
+    halves = torch.stack([full & 0xFFFF, full >> 16], dim=-1)  # ..., t: the lane's 16 bits of each word
+    words_out = halves[:, :, 0] | (halves[:, :, 1] << 16)  # block, warp, g, atom, step, t
+    words_out = words_out.permute(0, 3, 1, 5, 2, 4).reshape(row_blocks, k_atoms, SPARSE24_GEMM_ATOM_WORDS)
+    return torch.where(words_out >= 2**31, words_out - 2**32, words_out).to(torch.int32)
+
+
+def sparse24_meta_from_gemm_metadata(gemm_meta: torch.Tensor, rows: int, words: int) -> torch.Tensor:
+    """The [rows, words] `meta` that `sparse24_gemm_metadata` reordered (its inverse)."""
+    row_blocks, k_atoms, _ = gemm_meta.shape
+    lanes = (gemm_meta.to(torch.int64) & 0xFFFFFFFF).view(row_blocks, k_atoms, 4, 2, 8, 2)  # b, a, warp, t, g, s
+    halves = torch.stack([lanes & 0xFFFF, lanes >> 16], dim=-1)  # ..., h
+    meta = halves[:, :, :, 0] | (halves[:, :, :, 1] << 16)  # b, a, warp, g, s, h
+    meta = meta.permute(0, 2, 5, 3, 1, 4).reshape(row_blocks * 64, k_atoms * 2)[:rows, :words]
+    return torch.where(meta >= 2**31, meta - 2**32, meta).to(torch.int32)
+
+
+def sparse24_gemm_reference(x: torch.Tensor, values: torch.Tensor, gemm_meta: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for W the [N, K] matrix of `values` and `gemm_meta` (K = x's columns), fp32 accumulation."""
+    k = x.shape[1]
+    meta = sparse24_meta_from_gemm_metadata(gemm_meta, values.shape[0], values.shape[1] * 2 // SPARSE24_CHUNK_COLS)
+    return linear_reference(x, sparse24_decompress_reference(values, meta, k))
+
+
+def sparse24_gemm_takes(x: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether `sparse24_gemm` runs the sm_90 kernel for x on an [rows, cols] matrix: minfer's kernels on an
+    sm_90 GPU, 16-bit x, cols % 64 == 0 and rows % 8 == 0."""
+    return (use_kernels(x) and x.dtype in (torch.float16, torch.bfloat16) and cols % SPARSE24_GEMM_K_MULTIPLE == 0
+            and rows % 8 == 0 and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+SPARSE24_GEMM_TILES = ("auto", "128x128", "128x256", "256x128")  # weight rows x tokens (sparse24_ops.cpp)
+
+
+@fake_impl("minfer::sparse24_gemm")
+def _gemm_fake(x, values, gemm_meta, out, tile="auto"):
+    return None
+
+
+def sparse24_gemm(x: torch.Tensor, values: torch.Tensor, gemm_meta: torch.Tensor, out: torch.Tensor | None = None,
+                  *, tile: str = "auto") -> torch.Tensor:
+    """x @ W.T for prefill with W the [N, K] matrix of `values` [N, K / 2] and `gemm_meta`
+    (`sparse24_gemm_metadata(meta)`): x [M, K] -> [M, N], fp32 accumulation. Where `sparse24_gemm_takes` it runs
+    the sm_90 kernel (wgmma.mma_async.sp) with `tile` (one of SPARSE24_GEMM_TILES; "auto" picks by shape, the
+    others are for tests and benchmarks); elsewhere the reference."""
+    if tile not in SPARSE24_GEMM_TILES:
+        raise FormatError(f"sparse24_gemm: tile is one of {', '.join(SPARSE24_GEMM_TILES)}, got {tile!r}")
+    if x.dim() != 2:
+        raise FormatError(f"sparse24_gemm takes x [tokens, K], got {tuple(x.shape)}")
+    tokens, k = x.shape
+    rows = values.shape[0]
+    if values.shape[1] * 2 < k or values.shape[1] * 2 - k >= SPARSE24_CHUNK_COLS:
+        raise FormatError(f"sparse24_gemm: x has K={k} but the arrays hold {values.shape[1] * 2} padded columns")
+    if out is None:
+        out = x.new_empty(tokens, rows)
+    elif out.shape != (tokens, rows):
+        raise FormatError(f"sparse24_gemm: out must be [{tokens}, {rows}], got {tuple(out.shape)}")
+    if sparse24_gemm_takes(x, rows, k) and values.dtype == x.dtype:
+        torch.ops.minfer.sparse24_gemm(x.contiguous(), values, gemm_meta, out, tile)
+    else:
+        out.copy_(sparse24_gemm_reference(x, values, gemm_meta))
     return out
