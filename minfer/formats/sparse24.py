@@ -22,11 +22,9 @@ from .macko import prefill_row_blocks, scratch_matrix
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernels take the 16-bit ones
 BLOCK_ELEMENTS = 1 << 24  # compress this many matrix elements at a time (bounds the temporaries)
-# None: the sparse GEMM is not yet verified on the device (docs/perf-notes.md, 2026-11-28: its first build read
-# metadata registers that the next k-block overwrote), so prefill stays on decompression + cuBLAS. Once
-# tests/test_sparse24.py passes on an H200, 17 sends every prefill to it (it timed faster than decompression +
-# cuBLAS from 256 tokens on, on all five Llama-2-7B shapes).
-GEMM_MIN_TOKENS: int | None = None
+# Every input the GEMV does not take goes to the sparse GEMM (where it runs): it timed faster than decompression
+# + cuBLAS from 256 tokens on, on all five Llama-2-7B shapes (docs/perf-notes.md, 2026-11-28). None turns it off.
+GEMM_MIN_TOKENS: int | None = 17
 
 
 def compress(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
