@@ -73,6 +73,17 @@ def test_shared_memory_kernels(pattern, tokens, path):
 
 
 @pytest.mark.memcheck_skip
+@pytest.mark.parametrize("pattern", [(4, 300, 72, 1), (4, 200, 40, 2), (2, 200, 36, 4), (1, 100, 24, 16)],
+                         ids=str)
+def test_tensor_core_large_tiles(pattern):
+    """Enough tokens and outputs for the large tiles on an H200 (the grid's B = 4096 shapes), with partial
+    tiles in every dimension."""
+    x, factor = problem(pattern, 2000, torch.float16)
+    out = ops.ksmm_tuned(x, factor, path="tensor-core")
+    assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.memcheck_skip
 def test_refusals():
     x, factor = problem((1, 8, 8, 2), 17, torch.float16)
     for path, number in (("rows", 2), ("gemv", 4)):
@@ -164,10 +175,11 @@ def test_fused_gemv_matches_float64(pattern, tokens, fusion, dtype):
 @pytest.mark.racecheck
 @pytest.mark.parametrize("pattern, tokens, fusion", [((2, 20, 512, 2), 1, dict(norm=True, residual=True)),
                                                      ((1, 32, 1024, 8), 9, dict(norm=True, silu_mul=True)),
-                                                     ((1, 32, 1024, 8), 1, dict(residual=True))], ids=str)
+                                                     ((1, 32, 1024, 8), 1, dict(residual=True)),
+                                                     ((1, 32, 1024, 8), 1, dict(norm=True, silu_mul=True))], ids=str)
 def test_fused_gemv_under_the_sanitizer(pattern, tokens, fusion):
     """The norm's cross-warp sums of squares, the cluster's reduction (4 and 8 blocks per tile), and the rows
-    kernel's residual add after its shared-memory reduction (one token)."""
+    kernel's shared-memory reduction at one token with the residual add, and with the norm and silu_mul."""
     x, factor, norm, residual = fused_problem(pattern, tokens, torch.float16, fusion)
     silu = fusion.get("silu_mul", False)
     expected = ops.ksmm_gemv_reference(x.double(), factor.double(), None if norm is None else norm.double(), 1e-5,

@@ -45,8 +45,8 @@ void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t 
 bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
                                const void* y, const ProjectionFusion& fusion);
 // y [tokens][a*b*d] (silu_mul: [tokens][a*b*d/2]) = the factor applied to x with `fusion`; the shape must pass
-// ksmm_gemv_fusion_supports. y must not overlap x. One token with no fusion but the residual add runs on the rows
-// kernel where it takes the shape (faster than gemv at one token).
+// ksmm_gemv_fusion_supports. y must not overlap x. One token runs on the rows kernel where it takes the shape
+// (faster than gemv at one token), with the same fusions.
 void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
                       int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream);
 
