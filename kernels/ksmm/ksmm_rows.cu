@@ -58,6 +58,13 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
     if (row < rows) load_round(t);
     wait_for_previous_kernel();
     allow_dependents_to_launch();
+    // The norm (one token): every thread of the block sums squares over the whole x row (its loads in flight
+    // with the row's first ones), reduced in a fixed order after the sums.
+    float sum_sq = 0.f;
+    const int64_t x_len = (int64_t)a * row_len;
+    if (norm_weight)
+        for (int64_t e = threadIdx.x; e < x_len / 8; e += kThreads)
+            sum_sq = chunk_sum_sq<T>(load_coherent_16B(x + 8 * e), sum_sq);
     if (row < rows) {
         const int64_t x_offset = SILU ? 0 : row / b * row_len;
         const uint4* x_row = reinterpret_cast<const uint4*>(x + x_offset);
@@ -112,14 +119,9 @@ __global__ void __launch_bounds__(kThreads) ksmm_rows_kernel(const T* __restrict
             for (int e = 0; e < 8; ++e)
                 if (e < slots) acc[s][e] += __shfl_xor_sync(0xffffffffu, acc[s][e], offset);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    // The norm (one token): every thread of the block sums squares over the whole x row, in a fixed order.
     float scale = 1.f;
     if (norm_weight) {
         __shared__ float warp_sum_sq[kThreads / 32];
-        const int64_t x_len = (int64_t)a * row_len;
-        float sum_sq = 0.f;
-        for (int64_t e = threadIdx.x; e < x_len / 8; e += kThreads)
-            sum_sq = chunk_sum_sq<T>(load_coherent_16B(x + 8 * e), sum_sq);
         sum_sq = warp_sum(sum_sq);
         if (lane == 0) warp_sum_sq[warp] = sum_sq;
         __syncthreads();
