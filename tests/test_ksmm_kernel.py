@@ -175,11 +175,10 @@ def test_fused_gemv_matches_float64(pattern, tokens, fusion, dtype):
 @pytest.mark.racecheck
 @pytest.mark.parametrize("pattern, tokens, fusion", [((2, 20, 512, 2), 1, dict(norm=True, residual=True)),
                                                      ((1, 32, 1024, 8), 9, dict(norm=True, silu_mul=True)),
-                                                     ((1, 32, 1024, 8), 1, dict(residual=True)),
-                                                     ((1, 32, 1024, 8), 1, dict(norm=True, silu_mul=True))], ids=str)
+                                                     ((1, 32, 1024, 8), 1, dict(residual=True))], ids=str)
 def test_fused_gemv_under_the_sanitizer(pattern, tokens, fusion):
     """The norm's cross-warp sums of squares, the cluster's reduction (4 and 8 blocks per tile), and the rows
-    kernel's shared-memory reduction at one token with the residual add, and with the norm and silu_mul."""
+    kernel's residual add after its shared-memory reduction (one token)."""
     x, factor, norm, residual = fused_problem(pattern, tokens, torch.float16, fusion)
     silu = fusion.get("silu_mul", False)
     expected = ops.ksmm_gemv_reference(x.double(), factor.double(), None if norm is None else norm.double(), 1e-5,

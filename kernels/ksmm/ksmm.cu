@@ -48,7 +48,7 @@ template <typename T>
 void launch_typed(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
                   KsmmPath path, cudaStream_t stream) {
     switch (path) {
-        case KsmmPath::kRows: return launch_rows<T>(x, w, y, tokens, a, b, c, d, ProjectionFusion{}, stream);
+        case KsmmPath::kRows: return launch_rows<T>(x, w, y, tokens, a, b, c, d, false, stream);
         case KsmmPath::kGemv: return launch_gemv<T>(x, w, y, tokens, a, b, c, d, ProjectionFusion{}, stream);
         case KsmmPath::kTensorCore: return launch_mma<T>(x, w, y, tokens, a, b, c, d, stream);
         default: {
@@ -64,7 +64,6 @@ void launch_typed(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64
 
 bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x,
                         const void* w, const void* y) {
-    (void)y;  // every path writes y element by element
     const bool vectors = (c * d) % 8 == 0 && aligned16(x) && aligned16(w);
     switch (path) {
         case KsmmPath::kAuto:
@@ -74,7 +73,9 @@ bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int
         case KsmmPath::kGemv:
             return tokens <= kKsmmRowsMaxTokens && (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors;
         case KsmmPath::kTensorCore:
-            return (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors && a * (d < 8 ? 1 : d / 8) <= 65535;
+            // y too: its epilogue stores an output's l's at once (up to 16 bytes)
+            return (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors && aligned16(y) &&
+                   a * (d < 8 ? 1 : d / 8) <= 65535;
     }
     return false;
 }
@@ -113,17 +114,18 @@ bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, 
 void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
                       int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream) {
     if (a * b * d == 0) return;
-    // One token: the rows kernel where it takes the shape, faster than gemv there (ksmm_auto_path).
-    const bool rows = tokens == 1 && ksmm_path_supports(KsmmPath::kRows, tokens, a, b, c, d, x, w, y);
+    // One token with at most the residual add: the rows kernel, faster than gemv there (ksmm_auto_path).
+    const bool rows = tokens == 1 && !fusion.norm_weight && !fusion.silu_mul &&
+                      ksmm_path_supports(KsmmPath::kRows, tokens, a, b, c, d, x, w, y);
     if (dtype == DType::kBFloat16) {
         const auto *xt = static_cast<const __nv_bfloat16*>(x), *wt = static_cast<const __nv_bfloat16*>(w);
         auto* yt = static_cast<__nv_bfloat16*>(y);
-        if (rows) return ksmm_detail::launch_rows(xt, wt, yt, tokens, a, b, c, d, fusion, stream);
+        if (rows) return ksmm_detail::launch_rows(xt, wt, yt, tokens, a, b, c, d, fusion.accumulate, stream);
         return ksmm_detail::launch_gemv(xt, wt, yt, tokens, a, b, c, d, fusion, stream);
     }
     const auto *xt = static_cast<const half*>(x), *wt = static_cast<const half*>(w);
     auto* yt = static_cast<half*>(y);
-    if (rows) return ksmm_detail::launch_rows(xt, wt, yt, tokens, a, b, c, d, fusion, stream);
+    if (rows) return ksmm_detail::launch_rows(xt, wt, yt, tokens, a, b, c, d, fusion.accumulate, stream);
     ksmm_detail::launch_gemv(xt, wt, yt, tokens, a, b, c, d, fusion, stream);
 }
 

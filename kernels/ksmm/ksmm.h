@@ -22,7 +22,7 @@ constexpr int kKsmmRowsMaxD = 64;
 //   multiple of 8, c*d a multiple of 8, x and W 16-byte aligned;
 // - kRows: the row runs on CUDA cores with fp32 sums per l, d a power of two up to kKsmmRowsMaxD, same
 //   alignment;
-// - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes;
+// - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes, y 16-byte aligned too;
 // - kGeneric: one thread per output, anything.
 enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4 };
 
@@ -45,8 +45,8 @@ void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t 
 bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x, const void* w,
                                const void* y, const ProjectionFusion& fusion);
 // y [tokens][a*b*d] (silu_mul: [tokens][a*b*d/2]) = the factor applied to x with `fusion`; the shape must pass
-// ksmm_gemv_fusion_supports. y must not overlap x. One token runs on the rows kernel where it takes the shape
-// (faster than gemv at one token), with the same fusions.
+// ksmm_gemv_fusion_supports. y must not overlap x. One token with no fusion but the residual add runs on the rows
+// kernel where it takes the shape (faster than gemv at one token).
 void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
                       int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream);
 

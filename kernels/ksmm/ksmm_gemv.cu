@@ -30,6 +30,24 @@ __device__ __forceinline__ uint32_t pack_plane_pair(const uint4 (&chunks)[kGemvC
     return __byte_perm(lo, hi, (e0 % 2 ? 0x32u : 0x10u) | (e1 % 2 ? 0x7600u : 0x5400u));
 }
 
+// The 8 values of a chunk times g's (the RMSNorm weight), rounded to T.
+template <typename T>
+__device__ __forceinline__ uint4 scale_chunk(const uint4& v, const uint4& g) {
+    return make_uint4(multiply_pairs<T>(v.x, g.x), multiply_pairs<T>(v.y, g.y), multiply_pairs<T>(v.z, g.z),
+                      multiply_pairs<T>(v.w, g.w));
+}
+
+template <typename T>
+__device__ __forceinline__ float chunk_sum_sq(const uint4& v, float sum) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 f = pair_to_float2<T>(words[e]);
+        sum = fmaf(f.x, f.x, fmaf(f.y, f.y, sum));
+    }
+    return sum;
+}
+
 // A cluster of `splits` blocks per tile: 16 rows j of one i (and, for d > 8, one group of 8 l's); the
 // cluster's warps split the row into steps of 16 chunks per row (few tiles then still fill the GPU). Lane
 // (g, t) loads chunks step * 16 + 4 q + t (q < 4) of rows j0 + g and j0 + g + 8 and of x for token g (and

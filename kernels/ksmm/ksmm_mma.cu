@@ -1,9 +1,13 @@
-// The KS factor kernel "tensor-core" (ksmm_kernels.cuh): GEMM tiles per (i, group of l's) on mma.sync for
-// batches past the bandwidth path. Tiles of x and W are read as their contiguous (k x d) runs in 16-byte chunks
-// through registers and scattered into one shared-memory plane per l (k contiguous), so ldmatrix feeds the mma.
-#include <cstdlib>
-#include <string>
-
+// The KS factor kernel "tensor-core" (ksmm_kernels.cuh): GEMM tiles per (i, group of DL = min(d, 8) l's) on
+// mma.sync for batches past the bandwidth paths, fed by a cp.async ring of kStages stages with no register
+// staging. A stage holds, per row of the tile (a token of x, an output j of W), the contiguous run of kBk k's
+// times DL l's in 16-byte chunks: chunk q holds k's q * 8 / DL .. of all DL l's (d > 8: k = q, l's l0 .. l0 + 7,
+// one chunk per k at stride d). DL = 1 feeds the mma with ldmatrix (row pitch 80 B: ldmatrix's 8 rows hit
+// distinct banks). DL >= 2: lane (g, t) reads, for a 16-k step, chunks t + 4e (e < DL / 2) of rows g and g + 8
+// with 16-byte shared loads, i.e. 4 k's of every l, and takes those 4 k's as its k-slots 2t, 2t + 1, 2t + 8,
+// 2t + 9 of the mma; A and B map slots to k's by t alone, so every dot product is whole, and one PRMT per
+// operand register picks an l's halves. Odd rows XOR the chunk index with 4 so that a quarter warp's two rows
+// use both halves of the banks. The epilogue stores an output's DL l's (contiguous in y) at once.
 #include "ksmm/ksmm.h"
 #include "ksmm/ksmm_kernels.cuh"
 
@@ -11,208 +15,19 @@ namespace minfer::ksmm_detail {
 
 namespace {
 
-constexpr int kTileK = 32;              // k per pipeline stage
-constexpr int kPlaneLd = kTileK + 8;    // a plane row in halves: 80 B, so ldmatrix's 8 rows hit distinct banks
-
-// A 16-byte chunk holds (8 / DL) consecutive k times DL consecutive l: element kk * DL + ll goes to plane ll,
-// column col + kk.
-template <int DL>
-__device__ __forceinline__ void scatter_chunk(uint16_t* plane0, int plane_stride, int row, int col, const uint4& v) {
-    uint16_t* at = plane0 + row * kPlaneLd + col;
-    if constexpr (DL == 1) {
-        *reinterpret_cast<uint4*>(at) = v;
-    } else if constexpr (DL == 2) {
-        *reinterpret_cast<uint2*>(at) = make_uint2(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.z, v.w, 0x5410));
-        *reinterpret_cast<uint2*>(at + plane_stride) =
-            make_uint2(__byte_perm(v.x, v.y, 0x7632), __byte_perm(v.z, v.w, 0x7632));
-    } else if constexpr (DL == 4) {
-        *reinterpret_cast<uint32_t*>(at) = __byte_perm(v.x, v.z, 0x5410);
-        *reinterpret_cast<uint32_t*>(at + plane_stride) = __byte_perm(v.x, v.z, 0x7632);
-        *reinterpret_cast<uint32_t*>(at + 2 * plane_stride) = __byte_perm(v.y, v.w, 0x5410);
-        *reinterpret_cast<uint32_t*>(at + 3 * plane_stride) = __byte_perm(v.y, v.w, 0x7632);
-    } else {
-        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int ll = 0; ll < 8; ++ll) at[ll * plane_stride] = (uint16_t)(words[ll / 2] >> (16 * (ll % 2)));
-    }
-}
+constexpr int kStages = 3;  // 3 and 4 measured equal on monarch-50 prefill (docs/perf-notes.md, 2026-11-28)
 
 // A tile of BM = 32 MF tokens by BN = 32 NF outputs j for DL l's of one i; 8 warps as 2 x 4, each
-// (16 MF) x (8 NF) per l. Shared memory: two stages of DL planes of BM rows of x then BN rows of W.
+// (16 MF) x (8 NF) per l. A stage: BM rows of x then BN rows of W, kRowBytes each.
 template <int DL, int MF, int NF>
 struct MmaTile {
-    static constexpr int kBm = 32 * MF, kBn = 32 * NF;
-    static constexpr int kKPerChunk = 8 / DL, kChunksPerRow = kTileK / kKPerChunk;
-    static constexpr int kAChunks = kBm * kChunksPerRow / kThreads, kBChunks = kBn * kChunksPerRow / kThreads;
-    static constexpr int kPlane = (kBm + kBn) * kPlaneLd;  // halves
-    static constexpr int kStage = DL * kPlane;
-    static constexpr size_t kSmemBytes = 2 * kStage * sizeof(uint16_t);
-    static_assert(kBm * kChunksPerRow % kThreads == 0 && kBn * kChunksPerRow % kThreads == 0, "whole chunks");
-};
-
-template <typename T, int DL, int MF, int NF>
-__global__ void __launch_bounds__(kThreads) ksmm_mma_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                                           T* __restrict__ y, int tokens, int a, int b, int c,
-                                                           int d) {
-    using Tile = MmaTile<DL, MF, NF>;
-    constexpr int kBm = Tile::kBm, kBn = Tile::kBn, kKPerChunk = Tile::kKPerChunk;
-    extern __shared__ uint4 smem_raw[];
-    uint16_t* smem = reinterpret_cast<uint16_t*>(smem_raw);
-
-    const int l_groups = d / DL;
-    const int i = blockIdx.y / l_groups, l0 = blockIdx.y % l_groups * DL;
-    const int j_tiles = (b + kBn - 1) / kBn;
-    const int n0 = blockIdx.x / j_tiles * kBm, j0 = blockIdx.x % j_tiles * kBn;
-    const int64_t row_len = (int64_t)c * d;
-
-    // Chunk u of a thread: row (threadIdx.x + u * kThreads) / kChunksPerRow of the tile, fixed over the k loop.
-    const auto chunk_row = [](int u) { return (int)(threadIdx.x + u * kThreads) / Tile::kChunksPerRow; };
-    const auto chunk_col = [](int u) { return (int)(threadIdx.x + u * kThreads) % Tile::kChunksPerRow * kKPerChunk; };
-    const T* a_base[Tile::kAChunks];
-#pragma unroll
-    for (int u = 0; u < Tile::kAChunks; ++u) {
-        const int n = n0 + chunk_row(u);
-        a_base[u] = n < tokens ? x + ((int64_t)n * a + i) * row_len + l0 : nullptr;
-    }
-    const T* b_base[Tile::kBChunks];
-#pragma unroll
-    for (int u = 0; u < Tile::kBChunks; ++u) {
-        const int j = j0 + chunk_row(u);
-        b_base[u] = j < b ? w + ((int64_t)i * b + j) * row_len + l0 : nullptr;
-    }
-    uint4 a_reg[Tile::kAChunks], b_reg[Tile::kBChunks];
-    const auto load = [&](int k0) {
-#pragma unroll
-        for (int u = 0; u < Tile::kAChunks; ++u) {
-            const int k = k0 + chunk_col(u);
-            a_reg[u] = a_base[u] && k < c ? __ldg(reinterpret_cast<const uint4*>(a_base[u] + (int64_t)k * d))
-                                          : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < Tile::kBChunks; ++u) {
-            const int k = k0 + chunk_col(u);
-            b_reg[u] = b_base[u] && k < c ? __ldg(reinterpret_cast<const uint4*>(b_base[u] + (int64_t)k * d))
-                                          : make_uint4(0, 0, 0, 0);
-        }
-    };
-    const auto store = [&](int stage) {
-        uint16_t* planes = smem + stage * Tile::kStage;
-#pragma unroll
-        for (int u = 0; u < Tile::kAChunks; ++u)
-            scatter_chunk<DL>(planes, Tile::kPlane, chunk_row(u), chunk_col(u), a_reg[u]);
-#pragma unroll
-        for (int u = 0; u < Tile::kBChunks; ++u)
-            scatter_chunk<DL>(planes, Tile::kPlane, kBm + chunk_row(u), chunk_col(u), b_reg[u]);
-    };
-
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int warp_m = warp / 4 * 16 * MF, warp_n = warp % 4 * 8 * NF;
-    float acc[DL][MF][NF][4] = {};
-    const auto compute = [&](int stage) {
-#pragma unroll
-        for (int l = 0; l < DL; ++l) {
-            const uint16_t* a_plane = smem + stage * Tile::kStage + l * Tile::kPlane;
-            const uint16_t* b_plane = a_plane + kBm * kPlaneLd;
-#pragma unroll
-            for (int ks = 0; ks < kTileK; ks += 16) {
-                uint32_t af[MF][4];
-#pragma unroll
-                for (int mf = 0; mf < MF; ++mf)
-                    ldmatrix_x4(af[mf], smem_addr(a_plane + (warp_m + mf * 16 + lane % 16) * kPlaneLd + ks +
-                                                  lane / 16 * 8));
-                uint32_t bf[NF][2];
-#pragma unroll
-                for (int nf = 0; nf < NF; nf += 2) {
-                    // matrices: (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
-                    const int n_row = warp_n + nf * 8 + lane % 8 + (nf + 1 < NF ? lane / 16 * 8 : 0);
-                    uint32_t r[4];
-                    ldmatrix_x4(r, smem_addr(b_plane + n_row * kPlaneLd + ks + lane / 8 % 2 * 8));
-                    bf[nf][0] = r[0];
-                    bf[nf][1] = r[1];
-                    if (nf + 1 < NF) {
-                        bf[nf + 1][0] = r[2];
-                        bf[nf + 1][1] = r[3];
-                    }
-                }
-#pragma unroll
-                for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-                    for (int nf = 0; nf < NF; ++nf) mma_m16n8k16<T>(acc[l][mf][nf], af[mf], bf[nf][0], bf[nf][1]);
-            }
-        }
-    };
-
-    const int k_tiles = (c + kTileK - 1) / kTileK;
-    load(0);
-    store(0);
-    __syncthreads();
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const bool more = kt + 1 < k_tiles;
-        if (more) load((kt + 1) * kTileK);
-        compute(kt & 1);
-        if (more) store((kt + 1) & 1);
-        __syncthreads();
-    }
-
-    // c0, c1: token lane / 4, outputs j, j + 1 with j = 2 (lane % 4); c2, c3: token + 8.
-#pragma unroll
-    for (int l = 0; l < DL; ++l)
-#pragma unroll
-        for (int mf = 0; mf < MF; ++mf)
-#pragma unroll
-            for (int nf = 0; nf < NF; ++nf)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const int n = n0 + warp_m + mf * 16 + lane / 4 + (r >= 2 ? 8 : 0);
-                    const int j = j0 + warp_n + nf * 8 + 2 * (lane % 4) + (r & 1);
-                    if (n < tokens && j < b)
-                        y[(((int64_t)n * a + i) * b + j) * d + l0 + l] = from_float<T>(acc[l][mf][nf][r]);
-                }
-}
-
-template <typename T, int DL, int MF, int NF>
-void launch_mma_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                     cudaStream_t stream) {
-    using Tile = MmaTile<DL, MF, NF>;
-    const auto kernel = ksmm_mma_kernel<T, DL, MF, NF>;
-    static const cudaError_t configured =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::kSmemBytes);
-    (void)configured;
-    const int64_t tiles = (b + Tile::kBn - 1) / Tile::kBn * ((tokens + Tile::kBm - 1) / Tile::kBm);
-    const dim3 grid((unsigned)tiles, (unsigned)(a * (d / DL)));
-    kernel<<<grid, kThreads, Tile::kSmemBytes, stream>>>(x, w, y, (int)tokens, (int)a, (int)b, (int)c, (int)d);
-}
-
-// The large tile (MF * NF * DL = 16: 64 accumulators a thread) when it gives every SM a block, else the
-// small one (a quarter of it), so that few tokens or few outputs still fill the GPU.
-template <typename T, int DL, int MF, int NF, int SMALL_MF, int SMALL_NF>
-void launch_mma_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                    cudaStream_t stream) {
-    const int64_t large_blocks = (b + 32 * NF - 1) / (32 * NF) * ((tokens + 32 * MF - 1) / (32 * MF)) * a * (d / DL);
-    if (large_blocks >= sm_count())
-        launch_mma_tile<T, DL, MF, NF>(x, w, y, tokens, a, b, c, d, stream);
-    else
-        launch_mma_tile<T, DL, SMALL_MF, SMALL_NF>(x, w, y, tokens, a, b, c, d, stream);
-}
-
-// ---- The ring tiles: a cp.async ring of the raw (k, l) runs, fragments read from them ----
-// A stage holds, per row of the tile (a token of x, an output j of W), the contiguous run of kBk k's times DL
-// l's, copied in 16-byte chunks with no register staging: chunk q holds k's q * 8 / DL .. of all DL l's (d > 8:
-// k = q, l's l0 .. l0 + 7, one chunk per k at stride d). DL = 1 feeds the mma with ldmatrix (row pitch 80 B).
-// DL >= 2: lane (g, t) reads, for a 16-k step, chunks t + 4e (e < DL / 2) of rows g and g + 8 with 16-byte
-// shared loads, i.e. 4 k's of every l, and takes those 4 k's as its k-slots 2t, 2t + 1, 2t + 8, 2t + 9 of the
-// mma; A and B map slots to k's by t alone, so every dot product is whole. One PRMT per operand register
-// picks an l's halves. Odd rows XOR the chunk index with 4 so that a quarter warp's two rows use both halves
-// of the banks.
-template <int DL, int MF, int NF, int STAGES>
-struct RingTile {
     static constexpr int kBm = 32 * MF, kBn = 32 * NF, kRows = kBm + kBn;
-    static constexpr int kBk = DL == 8 ? 16 : 32;             // k per stage
+    static constexpr int kBk = DL == 8 ? 16 : 32;  // k per stage
     static constexpr int kKPerChunk = 8 / DL;
     static constexpr int kChunksPerRow = kBk / kKPerChunk;
     static constexpr int kRowBytes = DL == 1 ? kChunksPerRow * 16 + 16 : kChunksPerRow * 16;
     static constexpr int kStageBytes = kRows * kRowBytes;
-    static constexpr size_t kSmemBytes = (size_t)STAGES * kStageBytes;
+    static constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes;
     static constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
     static_assert(kRows * kChunksPerRow % kThreads == 0, "whole chunks per thread");
     static_assert(DL == 1 || kChunksPerRow % 8 == 0, "the swizzle stays inside a row's 128-byte groups");
@@ -220,7 +35,7 @@ struct RingTile {
 
 // Byte offset of chunk q of tile row `row` inside a stage.
 template <int DL, int ROW_BYTES>
-__device__ __forceinline__ int ring_chunk_offset(int row, int q) {
+__device__ __forceinline__ int chunk_offset(int row, int q) {
     return row * ROW_BYTES + (DL == 1 ? q : q ^ ((row & 1) << 2)) * 16;
 }
 
@@ -235,18 +50,18 @@ __device__ __forceinline__ void load_shared_16B(uint32_t (&words)[4], uint32_t a
 // The operand register of plane l holding k-slot values m0 and m0 + 1 of a lane's chunks (`words`: its
 // DL / 2 chunks in order): value m is 16-bit element (m % (8 / DL)) * DL + l of chunk m / (8 / DL).
 template <int DL>
-__device__ __forceinline__ uint32_t ring_pair(const uint32_t (&words)[2 * DL], int l, int m0) {
+__device__ __forceinline__ uint32_t plane_pair(const uint32_t (&words)[2 * DL], int l, int m0) {
     constexpr int per_chunk = 8 / DL;
     const int w0 = m0 / per_chunk * 4 + (m0 % per_chunk * DL + l) / 2;
     const int w1 = (m0 + 1) / per_chunk * 4 + ((m0 + 1) % per_chunk * DL + l) / 2;
     return __byte_perm(words[w0], words[w1], l % 2 ? 0x7632u : 0x5410u);
 }
 
-template <typename T, int DL, int MF, int NF, int STAGES>
-__global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict__ x, const T* __restrict__ w,
-                                                            T* __restrict__ y, int tokens, int a, int b, int c,
-                                                            int d) {
-    using Tile = RingTile<DL, MF, NF, STAGES>;
+template <typename T, int DL, int MF, int NF>
+__global__ void __launch_bounds__(kThreads) ksmm_mma_kernel(const T* __restrict__ x, const T* __restrict__ w,
+                                                           T* __restrict__ y, int tokens, int a, int b, int c,
+                                                           int d) {
+    using Tile = MmaTile<DL, MF, NF>;
     constexpr int kBm = Tile::kBm, kBn = Tile::kBn, kBk = Tile::kBk, kRowBytes = Tile::kRowBytes;
     extern __shared__ uint4 smem_raw[];
     const uint32_t smem = smem_addr(smem_raw);
@@ -267,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict
         const int n = n0 + row, j = j0 + row - kBm;
         const bool ok = is_x ? n < tokens : j < b;
         src[p] = ok ? (is_x ? x + ((int64_t)n * a + i) * row_len : w + ((int64_t)i * b + j) * row_len) + l0 : nullptr;
-        dst[p] = ring_chunk_offset<DL, kRowBytes>(row, q);
+        dst[p] = chunk_offset<DL, kRowBytes>(row, q);
         k_of[p] = q * Tile::kKPerChunk;
     }
     const auto load_stage = [&](int stage, int k0) {
@@ -319,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict
 #pragma unroll
                         for (int h = 0; h < 2; ++h) {
                             uint32_t v[4];
-                            load_shared_16B(v, smem + base + ring_chunk_offset<DL, kRowBytes>(
+                            load_shared_16B(v, smem + base + chunk_offset<DL, kRowBytes>(
                                                                  warp_m + mf * 16 + g + 8 * h, q0 + 4 * e));
 #pragma unroll
                             for (int k = 0; k < 4; ++k) ra[mf][h][4 * e + k] = v[k];
@@ -327,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict
 #pragma unroll
                     for (int nf = 0; nf < NF; ++nf) {
                         uint32_t v[4];
-                        load_shared_16B(v, smem + base + ring_chunk_offset<DL, kRowBytes>(kBm + warp_n + nf * 8 + g,
+                        load_shared_16B(v, smem + base + chunk_offset<DL, kRowBytes>(kBm + warp_n + nf * 8 + g,
                                                                                           q0 + 4 * e));
 #pragma unroll
                         for (int k = 0; k < 4; ++k) rb[nf][4 * e + k] = v[k];
@@ -338,14 +153,14 @@ __global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict
                     uint32_t af[MF][4];
 #pragma unroll
                     for (int mf = 0; mf < MF; ++mf) {
-                        af[mf][0] = ring_pair<DL>(ra[mf][0], l, 0);
-                        af[mf][1] = ring_pair<DL>(ra[mf][1], l, 0);
-                        af[mf][2] = ring_pair<DL>(ra[mf][0], l, 2);
-                        af[mf][3] = ring_pair<DL>(ra[mf][1], l, 2);
+                        af[mf][0] = plane_pair<DL>(ra[mf][0], l, 0);
+                        af[mf][1] = plane_pair<DL>(ra[mf][1], l, 0);
+                        af[mf][2] = plane_pair<DL>(ra[mf][0], l, 2);
+                        af[mf][3] = plane_pair<DL>(ra[mf][1], l, 2);
                     }
 #pragma unroll
                     for (int nf = 0; nf < NF; ++nf) {
-                        const uint32_t b0 = ring_pair<DL>(rb[nf], l, 0), b1 = ring_pair<DL>(rb[nf], l, 2);
+                        const uint32_t b0 = plane_pair<DL>(rb[nf], l, 0), b1 = plane_pair<DL>(rb[nf], l, 2);
 #pragma unroll
                         for (int mf = 0; mf < MF; ++mf) mma_m16n8k16<T>(acc[l][mf][nf], af[mf], b0, b1);
                     }
@@ -356,17 +171,17 @@ __global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict
 
     const int k_tiles = (c + kBk - 1) / kBk;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < kStages - 1; ++s) {
         if (s < k_tiles) load_stage(s, s * kBk);
         cp_async_commit();
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<kStages - 2>();
         __syncthreads();  // stage kt is in for every thread, and every warp is done with stage kt - 1
-        const int next = kt + STAGES - 1;
-        if (next < k_tiles) load_stage(next % STAGES, next * kBk);
+        const int next = kt + kStages - 1;
+        if (next < k_tiles) load_stage(next % kStages, next * kBk);
         cp_async_commit();
-        compute(kt % STAGES);
+        compute(kt % kStages);
     }
 
     // c0, c1: token g, outputs j, j + 1 with j = 2t; c2, c3: token g + 8. An output's DL l's are contiguous in
@@ -404,11 +219,11 @@ __global__ void __launch_bounds__(kThreads) ksmm_ring_kernel(const T* __restrict
             }
 }
 
-template <typename T, int DL, int MF, int NF, int STAGES>
-void launch_ring_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                      cudaStream_t stream) {
-    using Tile = RingTile<DL, MF, NF, STAGES>;
-    const auto kernel = ksmm_ring_kernel<T, DL, MF, NF, STAGES>;
+template <typename T, int DL, int MF, int NF>
+void launch_mma_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
+                     cudaStream_t stream) {
+    using Tile = MmaTile<DL, MF, NF>;
+    const auto kernel = ksmm_mma_kernel<T, DL, MF, NF>;
     static const cudaError_t configured =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Tile::kSmemBytes);
     (void)configured;
@@ -418,40 +233,23 @@ void launch_ring_tile(const T* x, const T* w, T* y, int64_t tokens, int64_t a, i
 }
 
 // The large tile when it fills at least 90% of the SMs with one block each, else the small one.
-template <typename T, int DL, int MF, int NF, int SMALL_MF, int SMALL_NF, int STAGES>
-void launch_ring_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                     cudaStream_t stream) {
+template <typename T, int DL, int MF, int NF, int SMALL_MF, int SMALL_NF>
+void launch_mma_for(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
+                    cudaStream_t stream) {
     const int64_t large_blocks = (b + 32 * NF - 1) / (32 * NF) * ((tokens + 32 * MF - 1) / (32 * MF)) * a * (d / DL);
     if (large_blocks * 10 >= sm_count() * 9)
-        launch_ring_tile<T, DL, MF, NF, STAGES>(x, w, y, tokens, a, b, c, d, stream);
+        launch_mma_tile<T, DL, MF, NF>(x, w, y, tokens, a, b, c, d, stream);
     else
-        launch_ring_tile<T, DL, SMALL_MF, SMALL_NF, STAGES>(x, w, y, tokens, a, b, c, d, stream);
-}
-
-template <typename T, int STAGES, bool WIDE>
-void launch_ring(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
-                 cudaStream_t stream) {
-    // MF * NF * DL = 16 (64 accumulators a thread), or 32 when WIDE; the small tiles a quarter of the narrow ones.
-    switch (d < 8 ? d : 8) {
-        case 1: return launch_ring_for<T, 1, 4, WIDE ? 8 : 4, 2, 2, STAGES>(x, w, y, tokens, a, b, c, d, stream);
-        case 2: return launch_ring_for<T, 2, 4, WIDE ? 4 : 2, 2, 1, STAGES>(x, w, y, tokens, a, b, c, d, stream);
-        case 4: return launch_ring_for<T, 4, WIDE ? 4 : 2, 2, 1, 1, STAGES>(x, w, y, tokens, a, b, c, d, stream);
-        default: return launch_ring_for<T, 8, 2, WIDE ? 2 : 1, 1, 1, STAGES>(x, w, y, tokens, a, b, c, d, stream);
-    }
+        launch_mma_tile<T, DL, SMALL_MF, SMALL_NF>(x, w, y, tokens, a, b, c, d, stream);
 }
 
 }  // namespace
 
-// The tiles under measurement, picked by MINFER_KSMM_MMA: "regs" (the register-staged tiles above), "ring3"
-// (the default) and "ring4" (cp.async rings of 3 and 4 stages), "ring3-wide" (twice the accumulators).
+// MF * NF * DL = 16: 64 accumulators a thread (the tiles with 32 lost on monarch-50 prefill); the small tiles a
+// quarter of the large ones.
 template <typename T>
 void launch_mma(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d,
                 cudaStream_t stream) {
-    const char* chosen = std::getenv("MINFER_KSMM_MMA");
-    const std::string variant = chosen ? chosen : "ring3";
-    if (variant == "ring4") return launch_ring<T, 4, false>(x, w, y, tokens, a, b, c, d, stream);
-    if (variant == "ring3-wide") return launch_ring<T, 3, true>(x, w, y, tokens, a, b, c, d, stream);
-    if (variant != "regs") return launch_ring<T, 3, false>(x, w, y, tokens, a, b, c, d, stream);
     switch (d < 8 ? d : 8) {
         case 1: return launch_mma_for<T, 1, 4, 4, 2, 2>(x, w, y, tokens, a, b, c, d, stream);
         case 2: return launch_mma_for<T, 2, 4, 2, 2, 1>(x, w, y, tokens, a, b, c, d, stream);

@@ -18,7 +18,6 @@ decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's p
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -27,7 +26,7 @@ import torch
 
 from .. import ops
 from ..errors import MinferError
-from ..formats.ksmm import KSWeight, Pattern
+from ..formats.ksmm import Pattern
 from ..sparsity.factorize import monarch_chain, random_chains
 from . import e2e_suite, report
 from .suites import Suite, SuiteRun, register
@@ -43,17 +42,12 @@ WIN_SPEEDUP = 1.2
 LARGE_FACTOR_BYTES = 8 << 20  # the B = 1 bandwidth bar applies from this factor size on
 BASELINES = ("dense", "einsum", "bmm")
 KS_PRESET = "monarch-50"
-# The levers timed this round: the tensor-core tiles (kernels/ksmm/ksmm_mma.cu, MINFER_KSMM_MMA) past the
-# bandwidth paths, and one token's norm and silu fused into the rows kernel (KSWeight.fuse_one_token).
-MMA_VARIANTS = ("regs", "ring3", "ring4", "ring3-wide")
-E2E_LEVERS = {"unfused regs": (False, "regs"), "fused regs": (True, "regs"), "fused ring3": (True, "ring3"),
-              "fused ring4": (True, "ring4"), "fused ring3-wide": (True, "ring3-wide")}
 
 COLUMNS = {
     "grid": [report.Column(*c) for c in [
         ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("factor_mb", "factor MB", "{:.1f}"),
         ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("rows_ms", "rows ms", "{:.4f}"),
-        *[(f"{v}_ms", f"{v} ms", "{:.4f}") for v in MMA_VARIANTS], ("dense_ms", "dense ms", "{:.4f}"),
+        ("dense_ms", "dense ms", "{:.4f}"),
         ("einsum_ms", "einsum ms", "{:.4f}"), ("bmm_ms", "bmm ms", "{:.4f}"), ("best", "best torch"),
         ("speedup", "vs best", "{:.2f}x"), ("tflops", "TFLOP/s", "{:.1f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "summary": [report.Column(*c) for c in [
@@ -114,10 +108,6 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20,
            "path": ops.ksmm_path(pattern, tokens)}
     row["minfer_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
-    if row["path"] == "tensor-core":
-        for variant in MMA_VARIANTS:
-            with mma_variant(variant):
-                row[f"{variant}_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
     # the CUDA-core rows kernel where gemv is the auto choice (2..16 tokens): the evidence for that choice
     row["rows_ms"] = (time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="rows"), copies, reps)
                       if row["path"] == "gemv" and ops.ksmm_kernel_takes("rows", pattern, tokens) else None)
@@ -175,50 +165,20 @@ def run(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None],
     return copy_gbs, rows, summarize(rows)
 
 
-class mma_variant:
-    """MINFER_KSMM_MMA set to `variant` inside the block (the tensor-core tiles read it at each launch)."""
-
-    def __init__(self, variant: str):
-        self.variant = variant
-
-    def __enter__(self):
-        self.before = os.environ.get("MINFER_KSMM_MMA")
-        os.environ["MINFER_KSMM_MMA"] = self.variant
-
-    def __exit__(self, *exc):
-        if self.before is None:
-            os.environ.pop("MINFER_KSMM_MMA", None)
-        else:
-            os.environ["MINFER_KSMM_MMA"] = self.before
-
-
 def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.dtype,
              on_row: Callable[[dict], None], embedding: str = "host") -> list[dict]:
-    """Dense, then KS_PRESET chains on every projection (random factors) under each of E2E_LEVERS (one
-    model), on minfer's kernels at batch 1."""
-    rows = [{"model": model_name, "format": "dense",
-             **e2e_suite.measure_format(model_name, dtype, lambda model: None, prompt_tokens, new_tokens, embedding)}]
-    on_row(rows[-1])
-    e2e_suite.release_scratch()
-    gc.collect()
-    torch.cuda.empty_cache()
-    held_before = e2e_suite.memory_held()
-    model = e2e_suite.build_model(model_name, dtype)
-    random_chains(model, KS_PRESET)
-    torch.cuda.empty_cache()
-    weight_gb = model.decode_weight_bytes() / 1e9
-    prompt = e2e_suite.random_prompt(model.config.vocab_size, prompt_tokens)
-    try:
-        for lever, (fused, variant) in E2E_LEVERS.items():
-            KSWeight.fuse_one_token = fused
-            with mma_variant(variant):
-                stats = e2e_suite.measure_backend(model, "minfer", prompt, new_tokens, embedding, held_before)
-            rows.append({"model": model_name, "format": f"{KS_PRESET} {lever}", "weight_gb": weight_gb,
-                         "embedding": model.embedding_place(), **stats})
-            on_row(rows[-1])
-    finally:
-        KSWeight.fuse_one_token = True
-    del model
+    """Dense, then KS_PRESET chains on every projection (random factors), on minfer's kernels at batch 1."""
+    def prepare(projections: str) -> Callable:
+        def factorize(model) -> None:
+            if projections != "dense":
+                random_chains(model, projections)
+        return factorize
+
+    rows = []
+    for projections in ("dense", KS_PRESET):
+        stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens, embedding)
+        rows.append({"model": model_name, "format": projections, **stats})
+        on_row(rows[-1])
     dense = rows[0]
     for row in rows:
         row["vs_dense_decode"] = row["decode_tok_s"] / dense["decode_tok_s"]
@@ -255,7 +215,6 @@ def plot(path: str, rows: list[dict], title: str) -> None:
 def print_case(row: dict) -> None:
     print(f"  ksmm {row['pattern']} B={row['tokens']} {row['path']}: {row['minfer_ms'] * 1e3:.1f} us"
           + (f" (rows {row['rows_ms'] * 1e3:.1f} us)" if row["rows_ms"] is not None else "")
-          + "".join(f" {v} {row[f'{v}_ms'] * 1e3:.1f}" for v in MMA_VARIANTS if f"{v}_ms" in row)
           + f", best torch {row['speedup'] * row['minfer_ms'] * 1e3:.1f} us ({row['best']}), {row['speedup']:.2f}x"
           + (f", {row['pct_copy']:.0f}% copy" if row["pct_copy"] is not None else ""), flush=True)
 

@@ -157,14 +157,12 @@ class KSWeight(WeightFormat):
         compute = torch.promote_types(x.dtype, torch.float32)
         return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    # Whether one token fuses the norm and silu(gate) * up into the rows kernel: the lever the ksmm suite times.
-    fuse_one_token = True
-
     def project(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                 residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        """At 1..KSMM_ROWS_MAX_TOKENS tokens the norm runs inside the first factor's kernel and the MLP activation
-        or the residual add inside the last one's (ops.ksmm_gemv: the rows kernel at one token, gemv past it). A
-        step a factor's kernel cannot fuse runs as its own op."""
+        """Where ops.ksmm runs the gemv kernel (2..KSMM_ROWS_MAX_TOKENS tokens), the norm runs inside the first
+        factor's kernel and the MLP activation or the residual add inside the last one's (ops.ksmm_gemv); at one
+        token the rows kernel runs, with the residual add alone fused. A step a factor's kernel cannot fuse runs as
+        its own op."""
         tokens = x.numel() // max(self.in_features, 1)
         if not (ops.use_kernels(x) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES
                 and 1 <= tokens <= ops.KSMM_ROWS_MAX_TOKENS and not (silu_mul and residual is not None)):
@@ -172,11 +170,11 @@ class KSWeight(WeightFormat):
         factors = self.factors
         first, last = tuple(factors[0].shape), tuple(factors[-1].shape)
 
-        def kernel_fuses(pattern: Pattern, silu: bool = False) -> bool:
-            return (tokens > 1 or KSWeight.fuse_one_token) and ops.ksmm_gemv_fuses(pattern, tokens, silu)
+        def gemv_fuses(pattern: Pattern, silu: bool = False) -> bool:
+            return ops.ksmm_path(pattern, tokens) == "gemv" and ops.ksmm_gemv_fuses(pattern, tokens, silu)
 
-        fuse_norm = norm_weight is not None and kernel_fuses(first)
-        fuse_silu = silu_mul and kernel_fuses(last, silu=True)
+        fuse_norm = norm_weight is not None and gemv_fuses(first)
+        fuse_silu = silu_mul and gemv_fuses(last, silu=True)
         fuse_residual = residual is not None and residual.is_contiguous() and ops.ksmm_gemv_fuses(last, tokens)
         flat = x.reshape(tokens, self.in_features).contiguous()
         if norm_weight is not None and not fuse_norm:

@@ -103,8 +103,8 @@ def ksmm_gemv(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = 
     """One factor of a decode projection with the fusions of ops.gemv (ksmm_gemv_reference): `norm_weight`
     [a·c·d] applies the factor to RMSNorm(x) (a chain's first factor); `accumulate` adds into `out` in place
     (the residual, a chain's last factor); `silu_mul` returns silu(gate) * up [T, a·b·d / 2] of the factor's
-    [gate; up] outputs. On a GPU under the minfer backend the gemv kernel where ksmm_gemv_fuses (one token: the
-    rows kernel, where it takes the pattern), else the reference."""
+    [gate; up] outputs. On a GPU under the minfer backend the gemv kernel where ksmm_gemv_fuses (one token with
+    no fusion but `accumulate`: the rows kernel, where it takes the pattern), else the reference."""
     if factor.dim() != 4 or x.dim() != 2 or x.shape[1] != factor.shape[0] * factor.shape[2] * factor.shape[3]:
         raise FormatError(f"ksmm_gemv takes x [T, a·c·d] and a 4-D (a, b, c, d) factor, got x {tuple(x.shape)} "
                           f"and factor {tuple(factor.shape)}")
