@@ -73,6 +73,17 @@ def test_shared_memory_kernels(pattern, tokens, path):
 
 
 @pytest.mark.memcheck_skip
+@pytest.mark.parametrize("pattern", [(4, 300, 72, 1), (4, 200, 40, 2), (2, 200, 36, 4), (1, 100, 24, 16)],
+                         ids=str)
+def test_tensor_core_large_tiles(pattern):
+    """Enough tokens and outputs for the large tiles on an H200 (the grid's B = 4096 shapes), with partial
+    tiles in every dimension."""
+    x, factor = problem(pattern, 2000, torch.float16)
+    out = ops.ksmm_tuned(x, factor, path="tensor-core")
+    assert rel_error(out, expected64(x, factor)) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.memcheck_skip
 def test_refusals():
     x, factor = problem((1, 8, 8, 2), 17, torch.float16)
     for path, number in (("rows", 2), ("gemv", 4)):

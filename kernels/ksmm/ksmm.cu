@@ -64,7 +64,6 @@ void launch_typed(const T* x, const T* w, T* y, int64_t tokens, int64_t a, int64
 
 bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x,
                         const void* w, const void* y) {
-    (void)y;  // every path writes y element by element
     const bool vectors = (c * d) % 8 == 0 && aligned16(x) && aligned16(w);
     switch (path) {
         case KsmmPath::kAuto:
@@ -74,7 +73,9 @@ bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int
         case KsmmPath::kGemv:
             return tokens <= kKsmmRowsMaxTokens && (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors;
         case KsmmPath::kTensorCore:
-            return (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors && a * (d < 8 ? 1 : d / 8) <= 65535;
+            // y too: its epilogue stores an output's l's at once (up to 16 bytes)
+            return (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors && aligned16(y) &&
+                   a * (d < 8 ? 1 : d / 8) <= 65535;
     }
     return false;
 }

@@ -22,7 +22,7 @@ constexpr int kKsmmRowsMaxD = 64;
 //   multiple of 8, c*d a multiple of 8, x and W 16-byte aligned;
 // - kRows: the row runs on CUDA cores with fp32 sums per l, d a power of two up to kKsmmRowsMaxD, same
 //   alignment;
-// - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes;
+// - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes, y 16-byte aligned too;
 // - kGeneric: one thread per output, anything.
 enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4 };
 
