@@ -146,7 +146,7 @@ def sparse24_gemm_reference(x: torch.Tensor, values: torch.Tensor, gemm_meta: to
 
 @functools.cache
 def _is_sm90(device_index: int) -> bool:
-    # Cached: asked twice per projection in prefill, where each host microsecond shows at 512 tokens.
+    # Cached: asked twice per projection in prefill.
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
