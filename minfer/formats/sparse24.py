@@ -2,11 +2,10 @@
 consecutive columns of a row, stored as the 2 kept values of each group and a 4-bit metadata nibble.
 
 Decode (1..16 tokens) runs the sparse24 GEMV, which fuses the norm, the MLP activation and the residual add
-as the dense GEMV does. Prefill decompresses blocks of rows into the scratch buffer MACKO's prefill shares and
-runs dense matmuls, so no dense copy is kept. The sparse tensor-core GEMM (ops.sparse24_gemm, sm_90) takes
-prefill from GEMM_MIN_TOKENS tokens when that is set (K % 64 == 0, N % 8 == 0); it reads the metadata in its own
-order: a second copy, built from `meta` at its first call and rebuilt when `meta` changes (counted in nbytes
-once built).
+as the dense GEMV does. Prefill from GEMM_MIN_TOKENS tokens runs the sparse tensor-core GEMM (ops.sparse24_gemm,
+sm_90, K % 64 == 0, N % 8 == 0), which reads the metadata in its own order: a second copy, built from `meta` at
+its first call and rebuilt when `meta` changes (counted in nbytes once built). Elsewhere prefill decompresses
+blocks of rows into the scratch buffer MACKO's prefill shares and runs dense matmuls, so no dense copy is kept.
 """
 
 from __future__ import annotations
