@@ -39,6 +39,7 @@ from .timing import copy_bandwidth_gbs, rotation_count, time_graph
 SECTIONS = ("decode", "prefill", "e2e")
 DECODE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)
 PREFILL_TOKENS = (512, 2048, 8192)
+GEMM_DECODE_TOKENS = 8  # decode rows from this many tokens also time the sparse GEMM
 E2E_FORMATS = ("dense", "macko d=0.5", "2:4")
 
 COLUMNS = {
@@ -46,7 +47,8 @@ COLUMNS = {
         ("shape", "shape"), ("tokens", "T"), ("minfer_ms", "2:4 ms", "{:.4f}"), ("pct_copy", "% copy", "{:.1f}"),
         ("gemv_ms", "minfer dense ms", "{:.4f}"), ("vs_gemv", "vs minfer dense", "{:.2f}x"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
-        ("cusparselt_ms", "cuSPARSELt ms", "{:.4f}"), ("vs_cusparselt", "vs cuSPARSELt", "{:.2f}x")]],
+        ("cusparselt_ms", "cuSPARSELt ms", "{:.4f}"), ("vs_cusparselt", "vs cuSPARSELt", "{:.2f}x"),
+        ("gemm_ms", "sparse GEMM ms", "{:.4f}"), ("gemm_vs_cublas", "GEMM vs cuBLAS", "{:.2f}x")]],
     "prefill": [report.Column(*c) for c in [
         ("shape", "shape"), ("tokens", "T"), ("minfer_ms", "2:4 layer ms", "{:.4f}"),
         ("cublas_ms", "cuBLAS ms", "{:.4f}"), ("vs_cublas", "vs cuBLAS", "{:.2f}x"),
@@ -103,9 +105,15 @@ def decode_row(m: Matrix, tokens: int, copy_gbs: float, replays: int) -> dict:
     cublas_ms = m.time_graph(F.linear, tokens, (m.dense,), replays)
     cusparselt_ms = m.time_cusparselt(tokens, replays)
     nbytes = sparse24_bytes(m.fmt.values, m.fmt.meta, m.n, m.k, tokens)
-    return {"shape": m.shape, "tokens": tokens, "minfer_ms": ms, "pct_copy": bandwidth(nbytes, ms, copy_gbs)[1],
-            "gemv_ms": gemv_ms, "vs_gemv": ratio(gemv_ms, ms), "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms,
-            "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms)}
+    row = {"shape": m.shape, "tokens": tokens, "minfer_ms": ms, "pct_copy": bandwidth(nbytes, ms, copy_gbs)[1],
+           "gemv_ms": gemv_ms, "vs_gemv": ratio(gemv_ms, ms), "cublas_ms": cublas_ms, "vs_cublas": cublas_ms / ms,
+           "cusparselt_ms": cusparselt_ms, "vs_cusparselt": ratio(cusparselt_ms, ms)}
+    if tokens >= GEMM_DECODE_TOKENS and ops.sparse24_gemm_takes(m.dense, m.n, m.k):
+        # where the GEMM (each weight read once, tiles zero-filled past the tokens) would beat the GEMV
+        gemm_ms = time_layers(m, tokens, replays,
+                              lambda layer, x: ops.sparse24_gemm(x, layer.values, layer.gemm_metadata()))
+        row.update(gemm_ms=gemm_ms, gemm_vs_cublas=cublas_ms / gemm_ms)
+    return row
 
 
 def time_layers(m: Matrix, tokens: int, replays: int, op: Callable[[torch.nn.Module, torch.Tensor], object]) -> float:
