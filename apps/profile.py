@@ -137,11 +137,16 @@ def check_decode_context(args: argparse.Namespace) -> None:
 
 def decode_model(args: argparse.Namespace, sharding: parallel.Sharding = parallel.SINGLE):
     """--model with random weights (this rank's part under tensor parallelism), its projections pruned by
-    magnitude and stored in a sparse --sparse format; returns the model and a label for the output."""
+    magnitude (to the format's N:M structure where it has one) and stored in a sparse --sparse format;
+    returns the model and a label for the output."""
     model = build_model(args.model, DTYPES[args.dtype], sharding=sharding)
     fmt = format_class(args.sparse)
     if fmt is DenseWeight:
         return model, "dense"
+    if fmt.structure is not None:
+        prune_model_(model, None, "magnitude", structure=fmt.structure)
+        convert(model, fmt.name, progress=True)
+        return model, fmt.name
     density = DECODE_DENSITY if args.density is None else args.density
     prune_model_(model, density, "magnitude")
     convert(model, fmt.name, progress=True)
@@ -225,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         if not case_densities and not (args.op == DECODE and sparse):
             parser.error("--density picks the pruning of --op decode with a sparse --sparse, or the cases of a "
                          "kernel op swept over densities")
+        if args.op == DECODE and format_class(args.sparse).structure is not None:
+            parser.error(f"--sparse {args.sparse} prunes to its own N:M structure: drop --density")
         if not 0.0 < args.density <= 1.0:
             parser.error(f"--density must lie in (0, 1], got {args.density}")
     try:

@@ -234,20 +234,27 @@ def test_profile_app_rejects_bad_arguments(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sparse", ["none", "macko"])
-def test_profile_app_decode_model_takes_the_sparse_format(sparse, monkeypatch):
-    """`--op decode --sparse macko` profiles the pruned MACKO model, with or without --timeline."""
+@pytest.mark.parametrize("sparse, density, label", [("none", "0.4", "dense"), ("macko", "0.4", "macko d=0.4"),
+                                                     ("2:4", None, "2:4")])
+def test_profile_app_decode_model_takes_the_sparse_format(sparse, density, label, monkeypatch):
+    """`--op decode --sparse macko` profiles the pruned MACKO model, `--sparse 2:4` one pruned to 2:4."""
     from minfer.bench import e2e_suite
-    from minfer.formats import DenseWeight
-    from minfer.formats.macko import MackoWeight
+    from minfer.formats import FORMATS
 
     monkeypatch.setattr(e2e_suite, "build_model", lambda name, dtype, **_: tiny_random_model(dtype))
     app = load_app(PROFILE_APP)
-    model, label = app.decode_model(app.build_parser().parse_args(["--op", "decode", "--sparse", sparse,
-                                                                    "--density", "0.4"]))
+    argv = ["--op", "decode", "--sparse", sparse] + (["--density", density] if density else [])
+    model, got_label = app.decode_model(app.build_parser().parse_args(argv))
     formats = {type(linear.fmt) for _, linear in model.projections()}
-    assert formats == ({MackoWeight} if sparse == "macko" else {DenseWeight})
-    assert label == ("macko d=0.4" if sparse == "macko" else "dense")
+    assert formats == {FORMATS["dense" if sparse == "none" else sparse]}
+    assert got_label == label
+
+
+def test_profile_app_refuses_a_density_for_an_n_m_format(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_app(PROFILE_APP).main(["--op", "decode", "--sparse", "2:4", "--density", "0.5"])
+    assert exit_info.value.code == 2
+    assert "prunes to its own N:M structure" in capsys.readouterr().err
 
 
 @requires_cuda
