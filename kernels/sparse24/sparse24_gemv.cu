@@ -15,6 +15,8 @@
 #include "sparse24.h"
 #include "common/device_utils.cuh"
 
+#include <cstdlib>
+
 namespace minfer {
 
 namespace {
@@ -55,22 +57,13 @@ struct LaneArrays {
     int x_words;   // 4-byte words of a row of x: cols / 2
 };
 
-// One warp step (16 rows x 128 columns) held in registers between load and multiply: 64 bytes of values
-// of each of the lane's two rows, their metadata words, and 16 words (32 columns) of x per token tile.
-// Loads past a row's end feed zeros.
-template <typename T, int kTiles, bool kNorm>
-struct WarpStep {
+// One warp step covers 16 rows x 128 columns. Its weights, held in registers from load to multiply: 64
+// bytes of values of each of the lane's two rows and their metadata words. Loads past a row's end feed zeros.
+struct StepWeights {
     uint4 w[2][2];       // [row g, row g + 8][piece t, piece t + 4]
     uint32_t mw[2][2];   // [row][metadata word of piece t, of piece t + 4]
-    uint32_t xw[kTiles][16];
-    uint32_t gw[kNorm ? 16 : 1];
 
-    // Word i of this lane's 16 x words of step `step` (an index into the row of x).
-    __device__ __forceinline__ static int x_word(int step, int t, int i) {
-        return step * 64 + 8 * t + (i / 8) * 32 + i % 8;
-    }
-
-    __device__ __forceinline__ void load_weights(const LaneArrays& a, int step, int t) {
+    __device__ __forceinline__ void load(const LaneArrays& a, int step, int t) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -85,8 +78,20 @@ struct WarpStep {
             }
         }
     }
+};
 
-    __device__ __forceinline__ void load_x(const LaneArrays& a, int step, int t) {
+// The step's x: 16 words (32 columns) of token g per token tile, and of the norm weight.
+template <typename T, int kTiles, bool kNorm>
+struct StepX {
+    uint32_t xw[kTiles][16];
+    uint32_t gw[kNorm ? 16 : 1];
+
+    // Word i of this lane's 16 x words of step `step` (an index into the row of x).
+    __device__ __forceinline__ static int x_word(int step, int t, int i) {
+        return step * 64 + 8 * t + (i / 8) * 32 + i % 8;
+    }
+
+    __device__ __forceinline__ void load(const LaneArrays& a, int step, int t) {
 #pragma unroll
         for (int p = 0; p < 4; ++p) {
             const int word = x_word(step, t, 4 * p);
@@ -114,33 +119,37 @@ struct WarpStep {
                 xw[tile][i] = multiply_pairs<T>(xw[tile][i], gw[i]);
             }
     }
-
-    // Eight m16n8k16 per token tile, one per group, alternating two accumulators.
-    // The lane's 8 groups' nibbles: those of piece t from the first word, of piece t + 4 from the second.
-    __device__ __forceinline__ void multiply(int t, float (&acc)[kTiles][2][4]) const {
-        uint32_t m[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) m[r] = __byte_perm(mw[r][0], mw[r][1], (t & 1) ? 0x7632 : 0x5410);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            uint32_t a[4];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const uint32_t pair = component(w[r][j / 4], j % 4);
-                const uint32_t lo = slot_selector((m[r] >> (4 * j)) & 15u), hi = lo >> 16;
-                a[r] = __byte_perm(pair, 0u, lo);      // slots 0, 1
-                a[2 + r] = __byte_perm(pair, 0u, hi);  // slots 2, 3
-            }
-#pragma unroll
-            for (int tile = 0; tile < kTiles; ++tile)
-                mma_m16n8k16<T>(acc[tile][j & 1], a, xw[tile][2 * j], xw[tile][2 * j + 1]);
-        }
-    }
 };
+
+// Eight m16n8k16 per token tile, one per group, alternating two accumulators.
+// The lane's 8 groups' nibbles: those of piece t from the first word, of piece t + 4 from the second.
+template <typename T, int kTiles, bool kNorm>
+__device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX<T, kTiles, kNorm>& sx, int t,
+                                              float (&acc)[kTiles][2][4]) {
+    uint32_t m[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) m[r] = __byte_perm(sw.mw[r][0], sw.mw[r][1], (t & 1) ? 0x7632 : 0x5410);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t pair = component(sw.w[r][j / 4], j % 4);
+            const uint32_t lo = slot_selector((m[r] >> (4 * j)) & 15u), hi = lo >> 16;
+            a[r] = __byte_perm(pair, 0u, lo);      // slots 0, 1
+            a[2 + r] = __byte_perm(pair, 0u, hi);  // slots 2, 3
+        }
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile)
+            mma_m16n8k16<T>(acc[tile][j & 1], a, sx.xw[tile][2 * j], sx.xw[tile][2 * j + 1]);
+    }
+}
 
 // One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
 // tiles take what they need (1 block).
-template <typename T, int kTiles, bool kNorm, bool kSiluMul>
+// kDepth steps' weights are in flight per warp (a ring in registers); kXAhead loads x with the weights one step
+// ahead (kDepth 2 only) instead of just before the multiply.
+template <typename T, int kTiles, bool kNorm, bool kSiluMul, int kDepth, bool kXAhead>
 __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
@@ -168,9 +177,11 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     arrays.chunks = chunks;
 
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    using Step = WarpStep<T, kTiles, kNorm>;
-    Step current;
-    if (warp < steps) current.load_weights(arrays, warp, t);
+    using X = StepX<T, kTiles, kNorm>;
+    StepWeights ring[kDepth];
+#pragma unroll
+    for (int s = 0; s < kDepth - 1; ++s)
+        if (warp + s * kWarps < steps) ring[s].load(arrays, warp + s * kWarps, t);
     wait_for_previous_kernel();
     // The residual is read here, so its round trip overlaps the multiplies (warp 0 writes the outputs).
     float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
@@ -185,19 +196,28 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
-    if (warp < steps) current.load_x(arrays, warp, t);
+    X x_ahead[kXAhead ? 2 : 1];
+    if (kXAhead && warp < steps) x_ahead[0].load(arrays, warp, t);
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
-    for (int step = warp; step < steps; step += kWarps) {
-        Step next;
-        if (step + kWarps < steps) {
-            next.load_weights(arrays, step + kWarps, t);
-            next.load_x(arrays, step + kWarps, t);
+    for (int first = warp; first < steps; first += kDepth * kWarps) {
+#pragma unroll
+        for (int s = 0; s < kDepth; ++s) {
+            const int step = first + s * kWarps;
+            if (step >= steps) break;
+            const int ahead = step + (kDepth - 1) * kWarps;
+            if (ahead < steps) ring[(s + kDepth - 1) % kDepth].load(arrays, ahead, t);
+            X x_now;
+            if constexpr (kXAhead) {
+                if (step + kWarps < steps) x_ahead[(s + 1) % 2].load(arrays, step + kWarps, t);
+                x_now = x_ahead[s % 2];
+            } else {
+                x_now.load(arrays, step, t);
+            }
+            if constexpr (kNorm) x_now.apply_norm(sum_sq);
+            multiply_step<T, kTiles, kNorm>(ring[s], x_now, t, acc);
         }
-        if constexpr (kNorm) current.apply_norm(sum_sq);
-        current.multiply(t, acc);
-        current = next;
     }
 
     float c[kTiles][4];
@@ -311,7 +331,15 @@ struct GemvArgs {
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
-    launch_with_pdl(sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul>, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
+    static const int variant = [] {  // measurement switch, removed once timed: 0 = depth 2 with x ahead
+        const char* v = std::getenv("MINFER_SPARSE24_GEMV_DEPTH");
+        return v == nullptr ? 0 : std::atoi(v);
+    }();
+    auto kernel = variant == 2   ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, false>
+                  : variant == 3 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 3, false>
+                  : variant == 4 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 4, false>
+                                 : sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, true>;
+    launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
                     a.stream, true, static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
                     static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
                     a.fusion.eps, a.fusion.accumulate);
