@@ -108,6 +108,21 @@ struct StepX {
         }
     }
 
+    // x staged in shared memory (already multiplied by g when the norm is fused): rows[tile] is token g's
+    // (+ 8 * tile) row there.
+    __device__ __forceinline__ void load_shared(const uint32_t* const (&rows)[kTiles], int x_words, int step, int t) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            const int word = x_word(step, t, 4 * p);
+#pragma unroll
+            for (int tile = 0; tile < kTiles; ++tile) {
+                const uint4 v = word < x_words ? *reinterpret_cast<const uint4*>(rows[tile] + word)
+                                               : make_uint4(0, 0, 0, 0);
+                xw[tile][4 * p] = v.x, xw[tile][4 * p + 1] = v.y, xw[tile][4 * p + 2] = v.z, xw[tile][4 * p + 3] = v.w;
+            }
+        }
+    }
+
     // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g.
     __device__ __forceinline__ void apply_norm(float (&sum_sq)[kTiles]) {
 #pragma unroll
@@ -147,9 +162,14 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
 
 // One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
 // tiles take what they need (1 block).
-// kDepth steps' weights are in flight per warp (a ring in registers); kXAhead loads x with the weights one step
-// ahead (kDepth 2 only) instead of just before the multiply.
-template <typename T, int kTiles, bool kNorm, bool kSiluMul, int kDepth, bool kXAhead>
+// kDepth steps' weights are in flight per warp (a ring in registers). x: with kStaged, the block first copies
+// the tokens' x rows into shared memory (times g, with their sums of squares, when the norm is fused) and each
+// step reads its words there just before its multiply; otherwise x (and g) come from global memory one step
+// ahead, with the weights (kDepth 2), and the norm is applied per step.
+constexpr int kStagedRowPad = 4;  // words after each staged row: rows g and g + 1 start 4 banks apart
+constexpr int kMaxStagedBytes = 48 * 1024;  // staged x per block without opting in to more shared memory
+
+template <typename T, int kTiles, bool kNorm, bool kSiluMul, int kDepth, bool kStaged>
 __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
@@ -196,8 +216,52 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
-    X x_ahead[kXAhead ? 2 : 1];
-    if (kXAhead && warp < steps) x_ahead[0].load(arrays, warp, t);
+    __shared__ float sum_sq_part[kNorm ? kWarps : 1][kTiles * 8];
+    extern __shared__ uint4 staged_x[];  // kStaged: `tokens` rows of x_words + kStagedRowPad words
+    const int staged_row_words = arrays.x_words + kStagedRowPad;
+    const uint32_t* staged_rows[kTiles];
+    if constexpr (kStaged) {
+        uint32_t* staged = reinterpret_cast<uint32_t*>(staged_x);
+        const int vectors = arrays.x_words / 4;  // x_words % 4 == 0 on this path (k % 8 == 0)
+        float sq[kTiles * 8] = {};
+        for (int i = threadIdx.x; i < tokens * vectors; i += kWarps * 32) {
+            const int token = i / vectors, v = i % vectors;
+            uint4 xv = load_coherent_16B(reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words + 4 * v);
+            if constexpr (kNorm) {
+                const uint4 gv = load_readonly_16B(arrays.norm + 4 * v);
+                uint32_t* xs = &xv.x;
+                const uint32_t* gs = &gv.x;
+                float s = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = pair_to_float2<T>(xs[j]);
+                    s = fmaf(f.x, f.x, fmaf(f.y, f.y, s));
+                    xs[j] = multiply_pairs<T>(xs[j], gs[j]);
+                }
+#pragma unroll
+                for (int tok = 0; tok < kTiles * 8; ++tok)
+                    if (tok == token) sq[tok] += s;
+            }
+            *reinterpret_cast<uint4*>(staged + token * staged_row_words + 4 * v) = xv;
+        }
+        if constexpr (kNorm) {
+#pragma unroll
+            for (int tok = 0; tok < kTiles * 8; ++tok) {
+                float s = sq[tok];
+#pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+                if (lane_id == 0) sum_sq_part[warp][tok] = s;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int tile = 0; tile < kTiles; ++tile) {
+            const int token = g + 8 * tile < tokens ? g + 8 * tile : 0;
+            staged_rows[tile] = staged + token * staged_row_words;
+        }
+    }
+    X x_ahead[kStaged ? 1 : 2];
+    if (!kStaged && warp < steps) x_ahead[0].load(arrays, warp, t);
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
@@ -209,13 +273,13 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
             const int ahead = step + (kDepth - 1) * kWarps;
             if (ahead < steps) ring[(s + kDepth - 1) % kDepth].load(arrays, ahead, t);
             X x_now;
-            if constexpr (kXAhead) {
+            if constexpr (kStaged) {
+                x_now.load_shared(staged_rows, arrays.x_words, step, t);
+            } else {
                 if (step + kWarps < steps) x_ahead[(s + 1) % 2].load(arrays, step + kWarps, t);
                 x_now = x_ahead[s % 2];
-            } else {
-                x_now.load(arrays, step, t);
+                if constexpr (kNorm) x_now.apply_norm(sum_sq);
             }
-            if constexpr (kNorm) x_now.apply_norm(sum_sq);
             multiply_step<T, kTiles, kNorm>(ring[s], x_now, t, acc);
         }
     }
@@ -226,12 +290,11 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) c[tile][i] = acc[tile][0][i] + acc[tile][1][i];
     __shared__ float4 partial[kWarps - 1][kTiles][32];
-    __shared__ float sum_sq_part[kNorm ? kWarps : 1][kTiles * 8];
     if (warp > 0)
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile)
             partial[warp - 1][tile][lane_id] = make_float4(c[tile][0], c[tile][1], c[tile][2], c[tile][3]);
-    if constexpr (kNorm) {
+    if constexpr (kNorm && !kStaged) {
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile) {
             float s = sum_sq[tile];  // the 4 lanes of row group g hold token g (+ 8 * tile)
@@ -331,15 +394,16 @@ struct GemvArgs {
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
-    static const int variant = [] {  // measurement switch, removed once timed: 0 = depth 2 with x ahead
+    static const int variant = [] {  // measurement switch, removed once timed: 0 = x from global one step ahead
         const char* v = std::getenv("MINFER_SPARSE24_GEMV_DEPTH");
         return v == nullptr ? 0 : std::atoi(v);
     }();
-    auto kernel = variant == 2   ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, false>
-                  : variant == 3 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 3, false>
-                  : variant == 4 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 4, false>
+    const int staged_bytes = a.tokens * (a.k / 2 + kStagedRowPad) * 4;
+    const bool staged = kTiles == 1 && variant != 0 && staged_bytes <= kMaxStagedBytes;
+    auto kernel = !staged      ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, false>
+                  : variant == 3 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 3, true>
                                  : sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, true>;
-    launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
+    launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), staged ? staged_bytes : 0,
                     a.stream, true, static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
                     static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
                     a.fusion.eps, a.fusion.accumulate);
