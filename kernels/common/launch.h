@@ -1,9 +1,28 @@
 // Host-side types shared by every launcher declaration. Framework-free: CUDA runtime only.
 #pragma once
 #include <cuda_runtime.h>
+
+#include <atomic>
 #include <cstdint>
 
 namespace minfer {
+
+inline int current_device() {
+    int device = 0;
+    cudaGetDevice(&device);
+    return device & 63;
+}
+
+// The SM count of `device`, asked once (no runtime query while a CUDA graph is being captured).
+inline int multiprocessors(int device) {
+    static std::atomic<int> cached[64] = {};
+    int sms = cached[device].load(std::memory_order_relaxed);
+    if (sms == 0) {
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        cached[device].store(sms, std::memory_order_relaxed);
+    }
+    return sms;
+}
 
 // Element types the kernels are instantiated for.
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };

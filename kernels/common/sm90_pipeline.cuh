@@ -230,21 +230,4 @@ inline bool make_map(CUtensorMap* map, const void* ptr, DType dtype, int rows, i
     return encode_swizzled_map(map, ptr, dtype, 2, dims, row_stride, box, swizzle_bytes);
 }
 
-inline int current_device() {
-    int device = 0;
-    cudaGetDevice(&device);
-    return device & 63;
-}
-
-// The SM count of `device`, asked once (no runtime query while a CUDA graph is being captured).
-inline int multiprocessors(int device) {
-    static std::atomic<int> cached[64] = {};
-    int sms = cached[device].load(std::memory_order_relaxed);
-    if (sms == 0) {
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-        cached[device].store(sms, std::memory_order_relaxed);
-    }
-    return sms;
-}
-
 }  // namespace minfer

@@ -15,6 +15,7 @@
 #include "sparse24.h"
 #include "common/device_utils.cuh"
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace minfer {
@@ -335,6 +336,172 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
         }
 }
 
+// Persistent variant for one token tile: the grid is at most two blocks per SM and each block walks its tiles
+// (blockIdx.x, + gridDim.x, ...). A warp's steps of consecutive tiles form one stream, so the next step's loads
+// (weights and x, one step ahead) cross tile boundaries instead of each block starting and draining its own
+// short pipeline (4 steps a warp at K = 4096). At each tile's end the warps hand their partials to warp 0
+// through double-buffered shared memory, which then writes the tile's outputs. kStaged: x (times g, with the
+// sums of squares, when the norm is fused) is staged in shared memory once per block instead.
+template <typename T, bool kNorm, bool kSiluMul, bool kStaged>
+__global__ void __launch_bounds__(kWarps * 32, 2)
+    sparse24_gemv_persistent_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta,
+                                    const T* __restrict__ x, const T* __restrict__ norm_weight, T* __restrict__ out,
+                                    int tokens, int n, int k, int chunks, float eps, bool accumulate, int num_tiles) {
+    allow_dependents_to_launch();
+    const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane_id >> 2, t = lane_id & 3;
+    const int inter = n / 2;
+    const int steps = (chunks + kStepChunks - 1) / kStepChunks;
+    const int warp_steps = warp < steps ? (steps - warp + kWarps - 1) / kWarps : 0;  // a warp's steps per tile
+    const int my_tiles = (int)blockIdx.x < num_tiles ? (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    const int64_t value_pieces = 2 * (int64_t)chunks;
+
+    LaneArrays arrays;
+    arrays.x_words = k / 2;
+    arrays.chunks = chunks;
+    arrays.norm = reinterpret_cast<const uint32_t*>(norm_weight);
+    {
+        const int token = g < tokens ? g : 0;
+        arrays.x[0] = arrays.x[1] = reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words;
+    }
+    // Row pointers of tile `tile` into `a` (rows past the end re-read the last).
+    auto point_at_tile = [&](int tile, LaneArrays& a) {
+        const int row = kSiluMul ? tile * 8 + g : tile * kTileRows + g;
+        const int lo = kSiluMul ? min(row, inter - 1) : min(row, n - 1);
+        const int hi = kSiluMul ? inter + lo : min(row + 8, n - 1);
+        a.values[0] = reinterpret_cast<const uint4*>(values) + lo * value_pieces;
+        a.values[1] = reinterpret_cast<const uint4*>(values) + hi * value_pieces;
+        a.meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)lo * chunks;
+        a.meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)hi * chunks;
+    };
+    const int items = warp_steps * my_tiles;  // item j: tile j / warp_steps of this block, step warp + (j % ws) * 8
+    auto item_tile = [&](int j) { return (int)blockIdx.x + (j / warp_steps) * (int)gridDim.x; };
+    auto item_step = [&](int j) { return warp + (j % warp_steps) * kWarps; };
+
+    using X = StepX<T, 1, kNorm>;
+    StepWeights w_now, w_next;
+    X x_now, x_next;
+    LaneArrays item_arrays = arrays;
+    if (items > 0) {
+        point_at_tile(item_tile(0), item_arrays);
+        w_now.load(item_arrays, item_step(0), t);
+    }
+    wait_for_previous_kernel();
+
+    __shared__ float4 partial[2][kWarps - 1][32];
+    __shared__ float sum_sq_part[2][kNorm ? kWarps : 1][8];
+    extern __shared__ uint4 staged_x[];
+    const uint32_t* staged_rows[1];
+    if constexpr (kStaged) {
+        uint32_t* staged = reinterpret_cast<uint32_t*>(staged_x);
+        const int row_words = arrays.x_words + kStagedRowPad;
+        const int vectors = arrays.x_words / 4;
+        float sq[8] = {};
+        for (int i = threadIdx.x; i < tokens * vectors; i += kWarps * 32) {
+            const int token = i / vectors, v = i % vectors;
+            uint4 xv = load_coherent_16B(reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words + 4 * v);
+            if constexpr (kNorm) {
+                const uint4 gv = load_readonly_16B(arrays.norm + 4 * v);
+                uint32_t* xs = &xv.x;
+                const uint32_t* gs = &gv.x;
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = pair_to_float2<T>(xs[j]);
+                    sum = fmaf(f.x, f.x, fmaf(f.y, f.y, sum));
+                    xs[j] = multiply_pairs<T>(xs[j], gs[j]);
+                }
+#pragma unroll
+                for (int tok = 0; tok < 8; ++tok)
+                    if (tok == token) sq[tok] += sum;
+            }
+            *reinterpret_cast<uint4*>(staged + token * row_words + 4 * v) = xv;
+        }
+        if constexpr (kNorm) {
+#pragma unroll
+            for (int tok = 0; tok < 8; ++tok) {
+                float sum = sq[tok];
+#pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+                if (lane_id == 0) sum_sq_part[0][warp][tok] = sum;  // buffer 0 holds the block's sums for good
+            }
+        }
+        __syncthreads();
+        staged_rows[0] = staged + (g < tokens ? g : 0) * row_words;
+    } else {
+        if (items > 0) x_now.load(item_arrays, item_step(0), t);
+    }
+
+    int j = 0;
+    for (int tile_index = 0; tile_index < my_tiles; ++tile_index) {
+        const int tile = (int)blockIdx.x + tile_index * (int)gridDim.x;
+        const int row = kSiluMul ? tile * 8 + g : tile * kTileRows + g;
+        float residual[2][2] = {};  // warp 0: [token 2t + jj][row, row + 8], read as the tile starts
+        if (!kSiluMul && accumulate && warp == 0) {
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+                const int token = 2 * t + jj;
+                const int64_t lo = (int64_t)token * n + row;
+                if (token < tokens && row < n) residual[jj][0] = to_float(out[lo]);
+                if (token < tokens && row + 8 < n) residual[jj][1] = to_float(out[lo + 8]);
+            }
+        }
+        float acc[1][2][4] = {};
+        float sum_sq[1] = {};
+        for (int s = 0; s < warp_steps; ++s, ++j) {
+            if (j + 1 < items) {
+                point_at_tile(item_tile(j + 1), item_arrays);
+                w_next.load(item_arrays, item_step(j + 1), t);
+                if constexpr (!kStaged) x_next.load(item_arrays, item_step(j + 1), t);
+            }
+            X x_step;
+            if constexpr (kStaged) {
+                x_step.load_shared(staged_rows, arrays.x_words, item_step(j), t);
+            } else {
+                x_step = x_now;
+                if constexpr (kNorm) x_step.apply_norm(sum_sq);
+            }
+            multiply_step<T, 1, kNorm>(w_now, x_step, t, acc);
+            w_now = w_next;
+            if constexpr (!kStaged) x_now = x_next;
+        }
+
+        const int buf = tile_index & 1;
+        float c[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] = acc[0][0][i] + acc[0][1][i];
+        if (warp > 0) partial[buf][warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
+        if constexpr (kNorm && !kStaged) {
+            float sum = sum_sq[0];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (t == 0) sum_sq_part[buf][warp][g] = sum;
+        }
+        __syncthreads();
+        if (warp > 0) continue;
+#pragma unroll
+        for (int i = 0; i < kWarps - 1; ++i) {
+            const float4 p = partial[buf][i][lane_id];
+            c[0] += p.x, c[1] += p.y, c[2] += p.z, c[3] += p.w;
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+            const int token = 2 * t + jj;
+            if (token >= tokens) continue;
+            float scale = 1.0f;
+            if constexpr (kNorm) scale = rms_scale(sum_sq_part[kStaged ? 0 : buf], token, k, eps);
+            if constexpr (kSiluMul) {
+                if (row < inter)
+                    out[(int64_t)token * inter + row] = from_float<T>(silu_times(c[jj] * scale, c[2 + jj] * scale));
+                continue;
+            }
+            const int64_t lo = (int64_t)token * n + row;
+            if (row < n) out[lo] = from_float<T>(c[jj] * scale + residual[jj][0]);
+            if (row + 8 < n) out[lo + 8] = from_float<T>(c[2 + jj] * scale + residual[jj][1]);
+        }
+    }
+}
+
 // Fallback for x that is not 16-byte aligned (cols % 8 != 0, offset views): one warp per output row
 // (with silu_mul: per gate row and its up row), one group per lane at a time, scalar loads.
 template <typename T>
@@ -399,10 +566,25 @@ void launch_mma(const GemvArgs& a) {
         return v == nullptr ? 0 : std::atoi(v);
     }();
     const int staged_bytes = a.tokens * (a.k / 2 + kStagedRowPad) * 4;
-    const bool staged = kTiles == 1 && variant != 0 && staged_bytes <= kMaxStagedBytes;
+    const bool fits = kTiles == 1 && staged_bytes <= kMaxStagedBytes;
+    if constexpr (kTiles == 1) {
+        if (variant == 5 || variant == 6 || variant == 7) {
+            // 6: staged x where it fits; 7: staged only with the norm fused
+            const bool staged = fits && (variant == 6 || (variant == 7 && kNorm));
+            const int grid = std::min(tiles, 2 * multiprocessors(current_device()));
+            auto kernel = staged ? sparse24_gemv_persistent_kernel<T, kNorm, kSiluMul, true>
+                                 : sparse24_gemv_persistent_kernel<T, kNorm, kSiluMul, false>;
+            launch_with_pdl(kernel, dim3((unsigned)grid), dim3(kWarps * 32), staged ? staged_bytes : 0, a.stream, true,
+                            static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
+                            static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k,
+                            a.chunks, a.fusion.eps, a.fusion.accumulate, tiles);
+            return;
+        }
+    }
+    const bool staged = fits && (variant == 2 || variant == 3 || (variant == 4 && kNorm));
     auto kernel = !staged      ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, false>
-                  : variant == 3 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 3, true>
-                                 : sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, true>;
+                  : variant == 2 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, true>
+                                 : sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 3, true>;
     launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), staged ? staged_bytes : 0,
                     a.stream, true, static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
                     static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
