@@ -54,7 +54,8 @@ def macko_e2e_stand_ins():
 def sparse24_stand_ins():
     row = {"shape": "4096x4096", "tokens": 1, "minfer_ms": 0.01}
     return {sparse24_suite: {"run": stand_in((COPY_GBS, {"decode": [row], "prefill": [row]}), ("decode", row)),
-                             "e2e_rows": stand_in([{"format": "2:4", "decode_tok_s": 120.0}], ("e2e", row))}}
+                             "e2e_rows": stand_in([{"format": "2:4", "decode_tok_s": 120.0}], ("e2e", row)),
+                             "copy_bandwidth_gbs": lambda: COPY_GBS}}
 
 
 def attention_stand_ins():

@@ -27,6 +27,7 @@ constexpr int kStepChunks = 4;               // chunks of one row per warp step 
 constexpr int kWarps = 8;
 constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
 constexpr uint32_t kPaddingMeta = 0x44444444u;  // slots 0, 1 in every group: the encoding of padding
+constexpr int kSparse24StagedTokens = 4;       // the staged-norm kernel's most tokens
 
 // The byte-permute selector expanding one group's kept pair (a 32-bit word: value 0 low, value 1 high)
 // into its 4 slots: low 16 bits for slots 0,1, high 16 bits for slots 2,3; a slot not kept reads zero.
@@ -163,14 +164,17 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
 
 // One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
 // tiles take what they need (1 block).
-// kDepth steps' weights are in flight per warp (a ring in registers). x: with kStaged, the block first copies
-// the tokens' x rows into shared memory (times g, with their sums of squares, when the norm is fused) and each
-// step reads its words there just before its multiply; otherwise x (and g) come from global memory one step
-// ahead, with the weights (kDepth 2), and the norm is applied per step.
-constexpr int kStagedRowPad = 4;  // words after each staged row: rows g and g + 1 start 4 banks apart
-constexpr int kMaxStagedBytes = 48 * 1024;  // staged x per block without opting in to more shared memory
+// One warp step held in registers between load and multiply: its weights and its x (the next step's are
+// loaded while this one multiplies).
+template <typename T, int kTiles, bool kNorm>
+struct WarpStep {
+    StepWeights w;
+    StepX<T, kTiles, kNorm> x;
+};
 
-template <typename T, int kTiles, bool kNorm, bool kSiluMul, int kDepth, bool kStaged>
+// One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
+// tiles take what they need (1 block).
+template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
@@ -198,11 +202,9 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     arrays.chunks = chunks;
 
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    using X = StepX<T, kTiles, kNorm>;
-    StepWeights ring[kDepth];
-#pragma unroll
-    for (int s = 0; s < kDepth - 1; ++s)
-        if (warp + s * kWarps < steps) ring[s].load(arrays, warp + s * kWarps, t);
+    using Step = WarpStep<T, kTiles, kNorm>;
+    Step current;
+    if (warp < steps) current.w.load(arrays, warp, t);
     wait_for_previous_kernel();
     // The residual is read here, so its round trip overlaps the multiplies (warp 0 writes the outputs).
     float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
@@ -217,72 +219,19 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
-    __shared__ float sum_sq_part[kNorm ? kWarps : 1][kTiles * 8];
-    extern __shared__ uint4 staged_x[];  // kStaged: `tokens` rows of x_words + kStagedRowPad words
-    const int staged_row_words = arrays.x_words + kStagedRowPad;
-    const uint32_t* staged_rows[kTiles];
-    if constexpr (kStaged) {
-        uint32_t* staged = reinterpret_cast<uint32_t*>(staged_x);
-        const int vectors = arrays.x_words / 4;  // x_words % 4 == 0 on this path (k % 8 == 0)
-        float sq[kTiles * 8] = {};
-        for (int i = threadIdx.x; i < tokens * vectors; i += kWarps * 32) {
-            const int token = i / vectors, v = i % vectors;
-            uint4 xv = load_coherent_16B(reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words + 4 * v);
-            if constexpr (kNorm) {
-                const uint4 gv = load_readonly_16B(arrays.norm + 4 * v);
-                uint32_t* xs = &xv.x;
-                const uint32_t* gs = &gv.x;
-                float s = 0.0f;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = pair_to_float2<T>(xs[j]);
-                    s = fmaf(f.x, f.x, fmaf(f.y, f.y, s));
-                    xs[j] = multiply_pairs<T>(xs[j], gs[j]);
-                }
-#pragma unroll
-                for (int tok = 0; tok < kTiles * 8; ++tok)
-                    if (tok == token) sq[tok] += s;
-            }
-            *reinterpret_cast<uint4*>(staged + token * staged_row_words + 4 * v) = xv;
-        }
-        if constexpr (kNorm) {
-#pragma unroll
-            for (int tok = 0; tok < kTiles * 8; ++tok) {
-                float s = sq[tok];
-#pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
-                if (lane_id == 0) sum_sq_part[warp][tok] = s;
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile) {
-            const int token = g + 8 * tile < tokens ? g + 8 * tile : 0;
-            staged_rows[tile] = staged + token * staged_row_words;
-        }
-    }
-    X x_ahead[kStaged ? 1 : 2];
-    if (!kStaged && warp < steps) x_ahead[0].load(arrays, warp, t);
+    if (warp < steps) current.x.load(arrays, warp, t);
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
-    for (int first = warp; first < steps; first += kDepth * kWarps) {
-#pragma unroll
-        for (int s = 0; s < kDepth; ++s) {
-            const int step = first + s * kWarps;
-            if (step >= steps) break;
-            const int ahead = step + (kDepth - 1) * kWarps;
-            if (ahead < steps) ring[(s + kDepth - 1) % kDepth].load(arrays, ahead, t);
-            X x_now;
-            if constexpr (kStaged) {
-                x_now.load_shared(staged_rows, arrays.x_words, step, t);
-            } else {
-                if (step + kWarps < steps) x_ahead[(s + 1) % 2].load(arrays, step + kWarps, t);
-                x_now = x_ahead[s % 2];
-                if constexpr (kNorm) x_now.apply_norm(sum_sq);
-            }
-            multiply_step<T, kTiles, kNorm>(ring[s], x_now, t, acc);
+    for (int step = warp; step < steps; step += kWarps) {
+        Step next;
+        if (step + kWarps < steps) {
+            next.w.load(arrays, step + kWarps, t);
+            next.x.load(arrays, step + kWarps, t);
         }
+        if constexpr (kNorm) current.x.apply_norm(sum_sq);
+        multiply_step<T, kTiles, kNorm>(current.w, current.x, t, acc);
+        current = next;
     }
 
     float c[kTiles][4];
@@ -291,11 +240,12 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) c[tile][i] = acc[tile][0][i] + acc[tile][1][i];
     __shared__ float4 partial[kWarps - 1][kTiles][32];
+    __shared__ float sum_sq_part[kNorm ? kWarps : 1][kTiles * 8];
     if (warp > 0)
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile)
             partial[warp - 1][tile][lane_id] = make_float4(c[tile][0], c[tile][1], c[tile][2], c[tile][3]);
-    if constexpr (kNorm && !kStaged) {
+    if constexpr (kNorm) {
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile) {
             float s = sum_sq[tile];  // the 4 lanes of row group g hold token g (+ 8 * tile)
@@ -336,17 +286,20 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
         }
 }
 
-// Persistent variant for one token tile: the grid is at most two blocks per SM and each block walks its tiles
-// (blockIdx.x, + gridDim.x, ...). A warp's steps of consecutive tiles form one stream, so the next step's loads
-// (weights and x, one step ahead) cross tile boundaries instead of each block starting and draining its own
-// short pipeline (4 steps a warp at K = 4096). At each tile's end the warps hand their partials to warp 0
-// through double-buffered shared memory, which then writes the tile's outputs. kStaged: x (times g, with the
-// sums of squares, when the norm is fused) is staged in shared memory once per block instead.
-template <typename T, bool kNorm, bool kSiluMul, bool kStaged>
+// One to four tokens with the norm fused (the decode step's qkv and gate_up projections): a persistent grid of at
+// most two blocks per SM, each block walking its tiles (blockIdx.x, + gridDim.x, ...). The block first stages
+// g * x of its tokens in shared memory with their sums of squares, once instead of per step and per lane; a
+// warp's steps of consecutive tiles then form one stream, the next step's weights loaded while one multiplies,
+// across tile boundaries. At each tile's end the warps hand their partials to warp 0 through double-buffered
+// shared memory, which writes the tile's outputs.
+constexpr int kStagedRowPad = 4;             // words after each staged row: rows g and g + 1 start 4 banks apart
+constexpr int kMaxStagedBytes = 40 * 1024;   // with the static arrays, under the 48 KB that needs no opt-in
+
+template <typename T, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, 2)
-    sparse24_gemv_persistent_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta,
-                                    const T* __restrict__ x, const T* __restrict__ norm_weight, T* __restrict__ out,
-                                    int tokens, int n, int k, int chunks, float eps, bool accumulate, int num_tiles) {
+    sparse24_gemv_staged_norm_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta,
+                                     const T* __restrict__ x, const T* __restrict__ norm_weight, T* __restrict__ out,
+                                     int tokens, int n, int k, int chunks, float eps, int num_tiles) {
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
@@ -355,115 +308,77 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     const int warp_steps = warp < steps ? (steps - warp + kWarps - 1) / kWarps : 0;  // a warp's steps per tile
     const int my_tiles = (int)blockIdx.x < num_tiles ? (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     const int64_t value_pieces = 2 * (int64_t)chunks;
+    const int x_words = k / 2;
 
+    // The lane's rows of the tile of item j (tile j / warp_steps of this block, step warp + (j % warp_steps) * 8);
+    // rows past the end re-read the last.
     LaneArrays arrays;
-    arrays.x_words = k / 2;
     arrays.chunks = chunks;
-    arrays.norm = reinterpret_cast<const uint32_t*>(norm_weight);
-    {
-        const int token = g < tokens ? g : 0;
-        arrays.x[0] = arrays.x[1] = reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words;
-    }
-    // Row pointers of tile `tile` into `a` (rows past the end re-read the last).
-    auto point_at_tile = [&](int tile, LaneArrays& a) {
+    auto point_at_item = [&](int j) {
+        const int tile = (int)blockIdx.x + (j / warp_steps) * (int)gridDim.x;
         const int row = kSiluMul ? tile * 8 + g : tile * kTileRows + g;
         const int lo = kSiluMul ? min(row, inter - 1) : min(row, n - 1);
         const int hi = kSiluMul ? inter + lo : min(row + 8, n - 1);
-        a.values[0] = reinterpret_cast<const uint4*>(values) + lo * value_pieces;
-        a.values[1] = reinterpret_cast<const uint4*>(values) + hi * value_pieces;
-        a.meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)lo * chunks;
-        a.meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)hi * chunks;
+        arrays.values[0] = reinterpret_cast<const uint4*>(values) + lo * value_pieces;
+        arrays.values[1] = reinterpret_cast<const uint4*>(values) + hi * value_pieces;
+        arrays.meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)lo * chunks;
+        arrays.meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)hi * chunks;
+        return warp + (j % warp_steps) * kWarps;
     };
-    const int items = warp_steps * my_tiles;  // item j: tile j / warp_steps of this block, step warp + (j % ws) * 8
-    auto item_tile = [&](int j) { return (int)blockIdx.x + (j / warp_steps) * (int)gridDim.x; };
-    auto item_step = [&](int j) { return warp + (j % warp_steps) * kWarps; };
-
-    using X = StepX<T, 1, kNorm>;
+    const int items = warp_steps * my_tiles;
     StepWeights w_now, w_next;
-    X x_now, x_next;
-    LaneArrays item_arrays = arrays;
-    if (items > 0) {
-        point_at_tile(item_tile(0), item_arrays);
-        w_now.load(item_arrays, item_step(0), t);
-    }
+    if (items > 0) w_now.load(arrays, point_at_item(0), t);
     wait_for_previous_kernel();
 
     __shared__ float4 partial[2][kWarps - 1][32];
-    __shared__ float sum_sq_part[2][kNorm ? kWarps : 1][8];
-    extern __shared__ uint4 staged_x[];
-    const uint32_t* staged_rows[1];
-    if constexpr (kStaged) {
-        uint32_t* staged = reinterpret_cast<uint32_t*>(staged_x);
-        const int row_words = arrays.x_words + kStagedRowPad;
-        const int vectors = arrays.x_words / 4;
-        float sq[8] = {};
+    __shared__ float sum_sq_part[kWarps][8];
+    extern __shared__ uint4 staged_x[];  // `tokens` rows of x_words + kStagedRowPad words
+    uint32_t* staged = reinterpret_cast<uint32_t*>(staged_x);
+    const int row_words = x_words + kStagedRowPad;
+    {
+        const int vectors = x_words / 4;  // x_words % 4 == 0 on this path (k % 8 == 0)
+        float sq[kSparse24StagedTokens] = {};
         for (int i = threadIdx.x; i < tokens * vectors; i += kWarps * 32) {
             const int token = i / vectors, v = i % vectors;
-            uint4 xv = load_coherent_16B(reinterpret_cast<const uint32_t*>(x) + (int64_t)token * arrays.x_words + 4 * v);
-            if constexpr (kNorm) {
-                const uint4 gv = load_readonly_16B(arrays.norm + 4 * v);
-                uint32_t* xs = &xv.x;
-                const uint32_t* gs = &gv.x;
-                float sum = 0.0f;
+            uint4 xv = load_coherent_16B(reinterpret_cast<const uint32_t*>(x) + (int64_t)token * x_words + 4 * v);
+            const uint4 gv = load_readonly_16B(reinterpret_cast<const uint32_t*>(norm_weight) + 4 * v);
+            uint32_t* xs = &xv.x;
+            const uint32_t* gs = &gv.x;
+            float sum = 0.0f;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = pair_to_float2<T>(xs[j]);
-                    sum = fmaf(f.x, f.x, fmaf(f.y, f.y, sum));
-                    xs[j] = multiply_pairs<T>(xs[j], gs[j]);
-                }
-#pragma unroll
-                for (int tok = 0; tok < 8; ++tok)
-                    if (tok == token) sq[tok] += sum;
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = pair_to_float2<T>(xs[j]);
+                sum = fmaf(f.x, f.x, fmaf(f.y, f.y, sum));
+                xs[j] = multiply_pairs<T>(xs[j], gs[j]);
             }
+#pragma unroll
+            for (int tok = 0; tok < kSparse24StagedTokens; ++tok)
+                if (tok == token) sq[tok] += sum;
             *reinterpret_cast<uint4*>(staged + token * row_words + 4 * v) = xv;
         }
-        if constexpr (kNorm) {
 #pragma unroll
-            for (int tok = 0; tok < 8; ++tok) {
-                float sum = sq[tok];
+        for (int tok = 0; tok < kSparse24StagedTokens; ++tok) {
+            float sum = sq[tok];
 #pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-                if (lane_id == 0) sum_sq_part[0][warp][tok] = sum;  // buffer 0 holds the block's sums for good
-            }
+            for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+            if (lane_id == 0) sum_sq_part[warp][tok] = sum;
         }
-        __syncthreads();
-        staged_rows[0] = staged + (g < tokens ? g : 0) * row_words;
-    } else {
-        if (items > 0) x_now.load(item_arrays, item_step(0), t);
     }
+    __syncthreads();
+    const uint32_t* staged_rows[1] = {staged + (g < tokens ? g : 0) * row_words};
 
     int j = 0;
     for (int tile_index = 0; tile_index < my_tiles; ++tile_index) {
         const int tile = (int)blockIdx.x + tile_index * (int)gridDim.x;
         const int row = kSiluMul ? tile * 8 + g : tile * kTileRows + g;
-        float residual[2][2] = {};  // warp 0: [token 2t + jj][row, row + 8], read as the tile starts
-        if (!kSiluMul && accumulate && warp == 0) {
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-                const int token = 2 * t + jj;
-                const int64_t lo = (int64_t)token * n + row;
-                if (token < tokens && row < n) residual[jj][0] = to_float(out[lo]);
-                if (token < tokens && row + 8 < n) residual[jj][1] = to_float(out[lo + 8]);
-            }
-        }
         float acc[1][2][4] = {};
-        float sum_sq[1] = {};
         for (int s = 0; s < warp_steps; ++s, ++j) {
-            if (j + 1 < items) {
-                point_at_tile(item_tile(j + 1), item_arrays);
-                w_next.load(item_arrays, item_step(j + 1), t);
-                if constexpr (!kStaged) x_next.load(item_arrays, item_step(j + 1), t);
-            }
-            X x_step;
-            if constexpr (kStaged) {
-                x_step.load_shared(staged_rows, arrays.x_words, item_step(j), t);
-            } else {
-                x_step = x_now;
-                if constexpr (kNorm) x_step.apply_norm(sum_sq);
-            }
-            multiply_step<T, 1, kNorm>(w_now, x_step, t, acc);
+            const int step = warp + s * kWarps;
+            if (j + 1 < items) w_next.load(arrays, point_at_item(j + 1), t);
+            StepX<T, 1, true> x_step;
+            x_step.load_shared(staged_rows, x_words, step, t);
+            multiply_step<T, 1, true>(w_now, x_step, t, acc);
             w_now = w_next;
-            if constexpr (!kStaged) x_now = x_next;
         }
 
         const int buf = tile_index & 1;
@@ -471,12 +386,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 #pragma unroll
         for (int i = 0; i < 4; ++i) c[i] = acc[0][0][i] + acc[0][1][i];
         if (warp > 0) partial[buf][warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
-        if constexpr (kNorm && !kStaged) {
-            float sum = sum_sq[0];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (t == 0) sum_sq_part[buf][warp][g] = sum;
-        }
         __syncthreads();
         if (warp > 0) continue;
 #pragma unroll
@@ -484,20 +393,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
             const float4 p = partial[buf][i][lane_id];
             c[0] += p.x, c[1] += p.y, c[2] += p.z, c[3] += p.w;
         }
+        // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1.
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
             const int token = 2 * t + jj;
             if (token >= tokens) continue;
-            float scale = 1.0f;
-            if constexpr (kNorm) scale = rms_scale(sum_sq_part[kStaged ? 0 : buf], token, k, eps);
+            const float scale = rms_scale(sum_sq_part, token, k, eps);
             if constexpr (kSiluMul) {
                 if (row < inter)
                     out[(int64_t)token * inter + row] = from_float<T>(silu_times(c[jj] * scale, c[2 + jj] * scale));
                 continue;
             }
             const int64_t lo = (int64_t)token * n + row;
-            if (row < n) out[lo] = from_float<T>(c[jj] * scale + residual[jj][0]);
-            if (row + 8 < n) out[lo + 8] = from_float<T>(c[2 + jj] * scale + residual[jj][1]);
+            if (row < n) out[lo] = from_float<T>(c[jj] * scale);
+            if (row + 8 < n) out[lo + 8] = from_float<T>(c[2 + jj] * scale);
         }
     }
 }
@@ -561,31 +470,22 @@ struct GemvArgs {
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
-    static const int variant = [] {  // measurement switch, removed once timed: 0 = x from global one step ahead
-        const char* v = std::getenv("MINFER_SPARSE24_GEMV_DEPTH");
-        return v == nullptr ? 0 : std::atoi(v);
-    }();
-    const int staged_bytes = a.tokens * (a.k / 2 + kStagedRowPad) * 4;
-    const bool fits = kTiles == 1 && staged_bytes <= kMaxStagedBytes;
-    if constexpr (kTiles == 1) {
-        if (variant == 5 || variant == 6 || variant == 7) {
-            // 6: staged x where it fits; 7: staged only with the norm fused
-            const bool staged = fits && (variant == 6 || (variant == 7 && kNorm));
+    if constexpr (kTiles == 1 && kNorm) {
+        static const bool staged_on = [] {  // measurement switch, removed once timed
+            const char* v = std::getenv("MINFER_SPARSE24_GEMV_STAGED");
+            return v == nullptr || v[0] != '0';
+        }();
+        const int staged_bytes = a.tokens * (a.k / 2 + kStagedRowPad) * 4;
+        if (staged_on && a.tokens <= kSparse24StagedTokens && !a.fusion.accumulate && staged_bytes <= kMaxStagedBytes) {
             const int grid = std::min(tiles, 2 * multiprocessors(current_device()));
-            auto kernel = staged ? sparse24_gemv_persistent_kernel<T, kNorm, kSiluMul, true>
-                                 : sparse24_gemv_persistent_kernel<T, kNorm, kSiluMul, false>;
-            launch_with_pdl(kernel, dim3((unsigned)grid), dim3(kWarps * 32), staged ? staged_bytes : 0, a.stream, true,
-                            static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
-                            static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k,
-                            a.chunks, a.fusion.eps, a.fusion.accumulate, tiles);
+            launch_with_pdl(sparse24_gemv_staged_norm_kernel<T, kSiluMul>, dim3((unsigned)grid), dim3(kWarps * 32),
+                            staged_bytes, a.stream, true, static_cast<const T*>(a.values), a.meta,
+                            static_cast<const T*>(a.x), static_cast<const T*>(a.fusion.norm_weight),
+                            static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks, a.fusion.eps, tiles);
             return;
         }
     }
-    const bool staged = fits && (variant == 2 || variant == 3 || (variant == 4 && kNorm));
-    auto kernel = !staged      ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, false>
-                  : variant == 2 ? sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 2, true>
-                                 : sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul, 3, true>;
-    launch_with_pdl(kernel, dim3((unsigned)tiles), dim3(kWarps * 32), staged ? staged_bytes : 0,
+    launch_with_pdl(sparse24_gemv_kernel<T, kTiles, kNorm, kSiluMul>, dim3((unsigned)tiles), dim3(kWarps * 32), 0,
                     a.stream, true, static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
                     static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks,
                     a.fusion.eps, a.fusion.accumulate);
