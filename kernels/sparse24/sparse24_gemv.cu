@@ -162,8 +162,6 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
     }
 }
 
-// One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
-// tiles take what they need (1 block).
 // One warp step held in registers between load and multiply: its weights and its x (the next step's are
 // loaded while this one multiplies).
 template <typename T, int kTiles, bool kNorm>
