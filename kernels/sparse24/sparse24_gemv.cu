@@ -12,11 +12,12 @@
 // partials are reduced in shared memory in a fixed order.
 // Fusions (launch.h) as in the dense GEMV: g * x rounded to the dtype feeds the mmas and the per-token
 // RMS scale is applied in the epilogue; the residual is read before the main loop and added there.
+// 1-4 tokens with the norm fused (and no residual) take a persistent kernel that stages g * x in shared
+// memory once per block (sparse24_gemv_staged_norm_kernel below).
 #include "sparse24.h"
 #include "common/device_utils.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace minfer {
 
@@ -469,12 +470,8 @@ template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
     if constexpr (kTiles == 1 && kNorm) {
-        static const bool staged_on = [] {  // measurement switch, removed once timed
-            const char* v = std::getenv("MINFER_SPARSE24_GEMV_STAGED");
-            return v == nullptr || v[0] != '0';
-        }();
         const int staged_bytes = a.tokens * (a.k / 2 + kStagedRowPad) * 4;
-        if (staged_on && a.tokens <= kSparse24StagedTokens && !a.fusion.accumulate && staged_bytes <= kMaxStagedBytes) {
+        if (a.tokens <= kSparse24StagedTokens && !a.fusion.accumulate && staged_bytes <= kMaxStagedBytes) {
             const int grid = std::min(tiles, 2 * multiprocessors(current_device()));
             launch_with_pdl(sparse24_gemv_staged_norm_kernel<T, kSiluMul>, dim3((unsigned)grid), dim3(kWarps * 32),
                             staged_bytes, a.stream, true, static_cast<const T*>(a.values), a.meta,
