@@ -25,13 +25,6 @@ bool tile_map(CUtensorMap* map, const void* ptr, AttnStrides strides, int64_t ba
     return encode_swizzled_map(map, ptr, dtype, 4, dims, byte_strides, box);
 }
 
-int multiprocessors() {
-    int device = 0, sms = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    return sms;
-}
-
 template <typename T, int D>
 const char* launch_ws(const blocksparse::Params& params, const Shape& shape, BlocksparseKernel which,
                       cudaStream_t stream) {
@@ -45,7 +38,7 @@ const char* launch_ws(const blocksparse::Params& params, const Shape& shape, Blo
     constexpr int smem = blocksparse::WsSmem<D>::kBytes;  // 193 KB at D 128
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int64_t items = (params.q_tiles + 1) / 2 * shape.q_heads * shape.batch;
-    const int64_t sms = multiprocessors();
+    const int64_t sms = multiprocessors(current_device());
     const int64_t grid = which == BlocksparseKernel::kWsGrid || items < sms ? items : sms;
     kernel<<<(unsigned)grid, blocksparse::kWsThreads, smem, stream>>>(params, map_q, map_k, map_v);
     return nullptr;

@@ -302,9 +302,7 @@ void launch_warps(const GemvArgs& a, int unroll) {
 // many tiles per SM a deeper unroll (the H200 sweep moved the threshold from 8 to 4 tiles per SM).
 // With the RMSNorm fused, 8 warps x 2 steps was the fastest variant on every shape (H200 sweep).
 GemvTuning default_tuning(int n, int k, bool norm) {
-    int device = 0, sm_count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+    const int sm_count = multiprocessors(current_device());
     if (norm) return {8, 2};
     if (k >= 8192) return {16, 4};
     if (ceil_div(n, kTileRows) >= 4 * sm_count) return {8, 8};
