@@ -77,33 +77,6 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// D (64 x N, fp32) = A (64 x 16) * B (16 x N) + scale_d * D; DA, DB, SD: operand numbers of the
-// descriptors and of scale_d, which follow the N / 2 accumulators.
-#define MINFER_WGMMA(TYPE, SHAPE, REGS, DA, DB, SD, ...)                                                    \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SD ", 0;\nwgmma.mma_async.sync.aligned." SHAPE         \
-                 ".f32." TYPE "." TYPE " {" REGS "}, %" DA ", %" DB ", p, 1, 1, 0, 0;\n}\n"                 \
-                 : __VA_ARGS__                                                                             \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-#define MINFER_WGMMA_TYPED(...) MINFER_WGMMA_BY_TYPE(MINFER_WGMMA, __VA_ARGS__)
-
-template <int BN, typename T>
-__device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    if constexpr (BN == 64) {
-        MINFER_WGMMA_TYPED("m64n64k16", MINFER_WGMMA_REGS0, "32", "33", "34", MINFER_F32(0));
-    } else if constexpr (BN == 128) {
-        MINFER_WGMMA_TYPED("m64n128k16", MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1, "64", "65", "66", MINFER_F32(0),
-                           MINFER_F32(32));
-    } else if constexpr (BN == 192) {
-        MINFER_WGMMA_TYPED("m64n192k16", MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1 ", " MINFER_WGMMA_REGS2, "96",
-                           "97", "98", MINFER_F32(0), MINFER_F32(32), MINFER_F32(64));
-    } else {
-        static_assert(BN == 256, "tile N is 64, 128, 192 or 256");
-        MINFER_WGMMA_TYPED("m64n256k16",
-                           MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1 ", " MINFER_WGMMA_REGS2 ", " MINFER_WGMMA_REGS3,
-                           "128", "129", "130", MINFER_F32(0), MINFER_F32(32), MINFER_F32(64), MINFER_F32(96));
-    }
-}
-
 #endif  // MINFER_SM90A
 
 template <typename T, int BN, int CLUSTER>
