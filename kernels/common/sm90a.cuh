@@ -48,6 +48,35 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, u
     }
 }
 
+// A consumer warpgroup's k-blocks of one output tile, both operands K-major in the 128-byte-swizzled stages of
+// a ring of S (A's 64 rows at a_offset, B's BN rows at b_offset inside a stage of STAGE_BYTES): for each, wait
+// until stage it % S is full, issue its KBK / 16 k16 steps, and once the previous k-block's wgmmas are done hand
+// that stage back with release(stage); after the last, wait for all and release its stage too. `it` counts the
+// k-blocks this warpgroup consumed over all its tiles.
+template <int BN, typename T, int S, int STAGE_BYTES, int KBK, class Release>
+__device__ __forceinline__ void consume_k_blocks(float (&acc)[BN / 2], int& it, int num_k, uint32_t base,
+                                                 uint32_t full_bar, uint32_t a_offset, uint32_t b_offset,
+                                                 Release&& release) {
+    for (int kb = 0; kb < num_k; ++kb, ++it) {
+        const int s = it % S;
+        mbar_wait(full_bar + 8 * s, (it / S) & 1);
+        const uint32_t stage = base + s * STAGE_BYTES;
+        const uint64_t desc_a = smem_descriptor(stage + a_offset);
+        const uint64_t desc_b = smem_descriptor(stage + b_offset);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < KBK / 16; ++k) wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > 0 || k > 0);
+        wgmma_commit();
+        if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
+            wgmma_wait<1>();
+            release((it - 1) % S);
+        }
+    }
+    wgmma_wait<0>();
+    fence_registers(acc);
+    release((it - 1) % S);
+}
+
 #endif  // MINFER_SM90A
 
 // True when the current device is an sm_90 part, `Kernel` holds sm_90 machine code compiled from sm_90a

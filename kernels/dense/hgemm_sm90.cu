@@ -107,13 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return TileCoord{u.m * CLUSTER + rank, u.n};
     };
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < S; ++s) {
-            mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
-            mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
-        }
-        fence_mbarrier_init();
-    }
+    init_ring_barriers(full_bar, empty_bar, S, 8 * CLUSTER);  // empty: one arrival per consumer warp of the cluster
     if constexpr (CLUSTER > 1) {
         cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them
     } else {
@@ -165,24 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         int epi = 0;  // epilogue chunks stored so far: buffer epi % 2
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
             const TileCoord tile = tile_of(unit);
-            for (int kb = 0; kb < num_k; ++kb, ++it) {
-                const int s = it % S;
-                mbar_wait(full_bar + 8 * s, (it / S) & 1);
-                const uint32_t stage = base + s * Tile::kStageBytes;
-                const uint64_t desc_a = smem_descriptor(stage + consumer * 64 * 128);
-                const uint64_t desc_b = smem_descriptor(stage + Tile::kStageA);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > 0 || k > 0);
-                wgmma_commit();
-                if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
-                    wgmma_wait<1>();
-                    release((it - 1) % S);
-                }
-            }
-            wgmma_wait<0>();
-            fence_registers(acc);
-            release((it - 1) % S);
+            consume_k_blocks<BN, T, S, Tile::kStageBytes, kBK>(acc, it, num_k, base, full_bar, consumer * 64 * 128,
+                                                              Tile::kStageA, release);
 
             // Epilogue, 64 columns at a time: registers -> swizzled shared buffer (stmatrix) -> TMA store.
             // Accumulator layout: d[4 j + {0,1}] at row lane / 4, d[4 j + {2,3}] at row lane / 4 + 8,

@@ -70,13 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int num_tiles = tiles_m * tiles_n;
     const int num_k = (c + kBK - 1) / kBK;
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < S; ++s) {
-            mbar_init(full_bar + 8 * s, 1);   // the producer's arrive.expect_tx
-            mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
-        }
-        fence_mbarrier_init();
-    }
+    init_ring_barriers(full_bar, empty_bar, S, 8);  // empty: one arrival per consumer warp
     __syncthreads();
 
     if (warpgroup == 0) {
@@ -110,25 +104,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
             const TileCoord t = tile_coord(tile, tiles_m, tiles_n, kBand);
             const int g = t.n / tiles_r, r0 = (t.n % tiles_r) * BN;
-            for (int kb = 0; kb < num_k; ++kb, ++it) {
-                const int s = it % S;
-                mbar_wait(full_bar + 8 * s, (it / S) & 1);
-                const uint32_t stage = base + s * Tile::kStageBytes;
-                const uint64_t desc_a = smem_descriptor(stage + consumer * 64 * 128);
-                const uint64_t desc_b = smem_descriptor(stage + Tile::kStageA);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kBK / 16; ++k)
-                    wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > 0 || k > 0);
-                wgmma_commit();
-                if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
-                    wgmma_wait<1>();
-                    release((it - 1) % S);
-                }
-            }
-            wgmma_wait<0>();
-            fence_registers(acc);
-            release((it - 1) % S);
+            consume_k_blocks<BN, T, S, Tile::kStageBytes, kBK>(acc, it, num_k, base, full_bar, consumer * 64 * 128,
+                                                              Tile::kStageA, release);
 
             // acc[4 j + {0, 1}]: token lane / 4 of this warp's 16, outputs r0 + 8 j + 2 (lane % 4) + {0, 1};
             // acc[4 j + {2, 3}]: token lane / 4 + 8, the same outputs.
