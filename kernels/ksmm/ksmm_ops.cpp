@@ -105,8 +105,8 @@ void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, 
     MINFER_CHECK(d >= 1 && g % d == 0, op, ": d must be >= 1 and divide the ", g, " groups, got ", d);
     MINFER_CHECK(next_d >= 1 && (next_d == 1 || (next_c >= 1 && (g * b) % (next_c * next_d) == 0)), op,
                  ": the next factor's (c, d) = (", next_c, ", ", next_d, ") does not chain with ", g * b, " outputs");
-    MINFER_CHECK(tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 256, op,
-                 ": tile_n must be 0 (by shape), 64, 128 or 256, got ", tile_n);
+    MINFER_CHECK(tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 192 || tile_n == 256, op,
+                 ": tile_n must be 0 (by shape), 64, 128, 192 or 256, got ", tile_n);
     MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op, ": out must not overlap x");
     MINFER_CHECK(minfer::ksmm_wgmma_supports(tokens, g, b, c, x.data_ptr(), groups.data_ptr(), out.data_ptr()), op,
                  ": the wgmma kernel cannot run groups ", groups.sizes(), " for ", tokens,

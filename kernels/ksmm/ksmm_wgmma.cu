@@ -138,7 +138,7 @@ struct TileChoice {
     double efficiency;  // tensor-core throughput of 128 x tile_n relative to 128 x 256 (hgemm_sm90.cu's table)
 };
 
-constexpr TileChoice kTileChoices[] = {{256, 1.0}, {128, 0.72}, {64, 0.47}};
+constexpr TileChoice kTileChoices[] = {{256, 1.0}, {192, 0.9}, {128, 0.72}, {64, 0.47}};
 
 // The tile with the least estimated time: whole waves of tiles over the SMs (a group's last tile of r's counts
 // whole), times one tile's work over how well its size keeps the tensor cores busy.
@@ -194,8 +194,9 @@ const char* launch_typed(const void* x, const void* w, void* y, int tokens, int 
     switch (tile_n) {
         case 64: return launch_tile<T, 64>(x, w, y, tokens, groups, b, c, order, dtype, stream);
         case 128: return launch_tile<T, 128>(x, w, y, tokens, groups, b, c, order, dtype, stream);
+        case 192: return launch_tile<T, 192>(x, w, y, tokens, groups, b, c, order, dtype, stream);
         case 256: return launch_tile<T, 256>(x, w, y, tokens, groups, b, c, order, dtype, stream);
-        default: return "the KS wgmma tile is 64, 128 or 256 outputs wide (0: by shape)";
+        default: return "the KS wgmma tile is 64, 128, 192 or 256 outputs wide (0: by shape)";
     }
 }
 

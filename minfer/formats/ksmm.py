@@ -116,16 +116,22 @@ class KSWeight(WeightFormat):
         copies = (groups for _, groups in self._wgmma_groups.values())
         return super().nbytes + sum(groups.numel() * groups.element_size() for groups in copies)
 
-    def wgmma_plan(self, flat: torch.Tensor) -> list[bool]:
-        """Which factors run the wgmma kernel for the chain input `flat`: from ops.KSMM_WGMMA_MIN_TOKENS
-        tokens, the d = 1 factors it takes, and a d > 1 factor it takes right after one that runs it (that one
-        writes the batch-major order the d > 1 factor reads)."""
-        plan: list[bool] = []
-        many = flat.shape[0] >= ops.KSMM_WGMMA_MIN_TOKENS
-        for factor in self.factors:
-            _, b, c, d = factor.shape
-            takes = many and ops.ksmm_wgmma_takes(flat, b, c)
-            plan.append(takes and (factor.data_ptr() % 16 == 0 if d == 1 else bool(plan) and plan[-1]))
+    def wgmma_plan(self, flat: torch.Tensor) -> list[tuple[int, int, int] | None]:
+        """Per factor, for the chain input `flat`: None where the factor runs ops.ksmm, else the (d, next_c,
+        next_d) it runs ops.ksmm_wgmma with. From ops.KSMM_WGMMA_MIN_TOKENS tokens the wgmma kernel takes the
+        d = 1 factors of its shapes, and a d > 1 factor right after one that runs it, which then writes this
+        one's batch-major order (next_c, next_d); otherwise a factor writes its natural order (1, 1)."""
+        runs = flat.shape[0] >= ops.KSMM_WGMMA_MIN_TOKENS and ops.ksmm_wgmma_takes(flat)
+        patterns = self.patterns
+        on: list[bool] = []
+        for factor, (_, b, c, d) in zip(self.factors, patterns):
+            ready = factor.data_ptr() % 16 == 0 if d == 1 else bool(on) and on[-1]  # d > 1: batch-major x
+            on.append(runs and ops.ksmm_wgmma_shape(b, c) and ready)
+        plan: list[tuple[int, int, int] | None] = []
+        for index, (_, _, _, d) in enumerate(patterns):
+            following = index + 1 < len(on) and on[index + 1] and patterns[index + 1][3] > 1
+            next_c, next_d = patterns[index + 1][2:] if following else (1, 1)
+            plan.append((d, next_c, next_d) if on[index] else None)
         return plan
 
     @classmethod
@@ -189,14 +195,9 @@ class KSWeight(WeightFormat):
         flat = x.reshape(-1, self.in_features)
         if ops.use_kernels(flat) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES:
             flat = flat.contiguous()
-            plan, patterns = self.wgmma_plan(flat), self.patterns
-            for index, factor in enumerate(self.factors):
-                if not plan[index]:
-                    flat = ops.ksmm(flat, factor)
-                    continue
-                following = index + 1 < len(plan) and plan[index + 1] and patterns[index + 1][3] > 1
-                _, _, next_c, next_d = patterns[index + 1] if following else (1, 1, 1, 1)
-                flat = ops.ksmm_wgmma(flat, self.wgmma_groups(index), patterns[index][3], next_c, next_d)
+            for index, (factor, order) in enumerate(zip(self.factors, self.wgmma_plan(flat))):
+                flat = ops.ksmm(flat, factor) if order is None else ops.ksmm_wgmma(flat, self.wgmma_groups(index),
+                                                                                    *order)
             return flat.reshape(*x.shape[:-1], self.out_features)
         compute = torch.promote_types(x.dtype, torch.float32)
         return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -15,7 +15,7 @@ KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwi
 KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
 KSMM_WGMMA_MIN_TOKENS = 64  # kernels/ksmm/ksmm.h, kKsmmWgmmaMinTokens: from here the wgmma kernel runs prefill
 KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
-KSMM_WGMMA_TILES = (0, 64, 128, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
+KSMM_WGMMA_TILES = (0, 64, 128, 192, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
 KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4, "wgmma": 5}
 KSMM_DTYPES = (torch.float16, torch.bfloat16)
@@ -228,12 +228,11 @@ def _ksmm_wgmma_fake(x, groups, out, d, next_c, next_d, tile_n=0):
     return None
 
 
-def ksmm_wgmma_takes(x: torch.Tensor, b: int, c: int) -> bool:
-    """Whether the wgmma kernel runs x against groups of b rows and c columns: minfer's kernels on an sm_90 GPU,
-    fp16/bf16 x contiguous and 16-byte aligned, b and c multiples of KSMM_WGMMA_MULTIPLE (the groups must be
-    contiguous and 16-byte aligned in x's dtype too)."""
-    return (use_kernels(x) and x.dtype in KSMM_DTYPES and ksmm_wgmma_shape(b, c) and x.is_contiguous()
-            and x.data_ptr() % 16 == 0 and _is_sm90(x.get_device()))
+def ksmm_wgmma_takes(x: torch.Tensor) -> bool:
+    """Whether the wgmma kernel runs on x: minfer's kernels on an sm_90 GPU, fp16/bf16 x contiguous and 16-byte
+    aligned (the groups must be too, in x's dtype, with b and c that pass ksmm_wgmma_shape)."""
+    return (use_kernels(x) and x.dtype in KSMM_DTYPES and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and _is_sm90(x.get_device()))
 
 
 def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 1, next_d: int = 1,
@@ -255,8 +254,8 @@ def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 
         out = x.new_empty(x.shape[0], count * b)
     elif out.shape != (x.shape[0], count * b):
         raise FormatError(f"ksmm_wgmma: out must be [{x.shape[0]}, {count * b}], got {tuple(out.shape)}")
-    kernel = (ksmm_wgmma_takes(x, b, groups.shape[2]) and groups.dtype == x.dtype and groups.is_contiguous()
-              and groups.data_ptr() % 16 == 0)
+    kernel = (ksmm_wgmma_takes(x) and ksmm_wgmma_shape(b, groups.shape[2]) and groups.dtype == x.dtype
+              and groups.is_contiguous() and groups.data_ptr() % 16 == 0)
     if kernel and x.shape[0] > 0:
         torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n)
     else:
