@@ -219,8 +219,8 @@ def test_wgmma_refusals_and_opcheck():
     ([(4, 36, 64, 1), (1, 72, 72, 2)], [False, False]),  # b = 36: the ring tiles for both
 ], ids=str)
 def test_chain_prefill_on_wgmma(patterns, plan):
-    """The format's prefill: which factors run the wgmma kernel, the result against float64, and the per-l
-    copies counted in nbytes once built."""
+    """The format's prefill: which factors run the wgmma kernel, the result against float64, the per-l copies
+    counted in nbytes once built, and a captured prefill reading a new input."""
     generator = torch.Generator().manual_seed(5)
     chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
                                    for p in patterns])
@@ -228,10 +228,18 @@ def test_chain_prefill_on_wgmma(patterns, plan):
     assert [order is not None for order in chain.wgmma_plan(x)] == plan
     assert chain.wgmma_plan(x[: ops.KSMM_WGMMA_MIN_TOKENS - 1]) == [None] * len(patterns)
     before = chain.nbytes
-    out = chain(x)
-    assert rel_error(out, x.double() @ chain.to_dense().double().T) < 4e-3 * len(patterns)
+    dense = chain.to_dense().double()
+    assert rel_error(chain(x), x.double() @ dense.T) < 4e-3 * len(patterns)
     copies = sum(f.numel() * 2 for f, on in zip(chain.factors, plan) if on and f.shape[3] > 1)
     assert chain.nbytes == before + copies
+    out = torch.empty(300, chain.out_features, dtype=torch.float16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(chain(x))
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(out, x.double() @ dense.T) < 4e-3 * len(patterns)
 
 
 # Patterns of the fused decode factors: a == 1 with b even (silu_mul takes those), a > 1, d > 8, and long rows
