@@ -224,7 +224,7 @@ def ksmm_wgmma_reference(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next
 
 
 @fake_impl("minfer::ksmm_wgmma")
-def _ksmm_wgmma_fake(x, groups, out, d, next_c, next_d, tile_n=0):
+def _ksmm_wgmma_fake(x, groups, out, d, next_c, next_d, tile_n=0, direct_epilogue=False):
     return None
 
 
@@ -236,11 +236,12 @@ def ksmm_wgmma_takes(x: torch.Tensor) -> bool:
 
 
 def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 1, next_d: int = 1,
-               out: torch.Tensor | None = None, *, tile_n: int = 0) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, tile_n: int = 0, direct_epilogue: bool = False) -> torch.Tensor:
     """A factor as groups of GEMMs (ksmm_wgmma_reference): x [T, G·c] (a d > 1 factor's input in its batch-major
     order, to_batch_major), groups [G, b, c] (ksmm_groups), out [T, G·b] in the factor's natural order, or with
     next_d > 1 in the next factor's batch-major order. The sm_90a wgmma kernel where ksmm_wgmma_takes (tile_n:
-    one of KSMM_WGMMA_TILES, for benchmarks), the reference elsewhere."""
+    one of KSMM_WGMMA_TILES, and direct_epilogue, stores from the accumulator registers instead of through shared
+    memory, for benchmarks), the reference elsewhere."""
     if groups.dim() != 3 or x.dim() != 2 or x.shape[1] != groups.shape[0] * groups.shape[2]:
         raise FormatError(f"ksmm_wgmma takes x [T, G·c] and groups [G, b, c], got x {tuple(x.shape)} and groups "
                           f"{tuple(groups.shape)}")
@@ -257,7 +258,7 @@ def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 
     kernel = (ksmm_wgmma_takes(x) and ksmm_wgmma_shape(b, groups.shape[2]) and groups.dtype == x.dtype
               and groups.is_contiguous() and groups.data_ptr() % 16 == 0)
     if kernel and x.shape[0] > 0:
-        torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n)
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n, direct_epilogue)
     else:
         out.copy_(ksmm_wgmma_reference(x, groups, d, next_c, next_d))
     return out
