@@ -285,4 +285,9 @@ def test_wgmma_refusals_and_cpu_plan():
     with pytest.raises(FormatError, match="tile_n"):
         ops.ksmm_wgmma(torch.randn(3, 32), groups, tile_n=96)
     chain = KSWeight.from_factors(random_factors([(4, 64, 64, 1), (1, 64, 64, 4)], torch.float16))
-    assert chain.wgmma_plan(torch.randn(300, 256, dtype=torch.float16)) == [None, None]  # no kernels on the CPU
+    with ops.ksmm_wgmma_from(64):
+        assert chain.wgmma_plan(torch.randn(300, 256, dtype=torch.float16)) == [None, None]  # no kernels on the CPU
+        assert ops.ksmm_path((4, 64, 64, 1), 300) == "tensor-core"  # no sm_90 GPU here
+        assert ops.ksmm_wgmma_batch(64) and not ops.ksmm_wgmma_batch(63)
+    with ops.ksmm_wgmma_from(None):
+        assert not ops.ksmm_wgmma_batch(1 << 20)

@@ -183,14 +183,17 @@ def test_wgmma_under_the_sanitizer(case, tokens):
 @requires_sm90
 @pytest.mark.memcheck_skip
 def test_wgmma_large_batch_and_auto_path():
-    """Many tiles per SM (the persistent loop) at 2000 tokens, and ops.ksmm's auto path taking d = 1 from
-    KSMM_WGMMA_MIN_TOKENS tokens."""
+    """Many tiles per SM (the persistent loop) at 2000 tokens, and ops.ksmm taking d = 1 to the kernel from
+    KSMM_WGMMA_MIN_TOKENS tokens once that is set."""
     x, groups, order, expected = wgmma_problem((4, 200, 136, 1), None, 2000, torch.float16)
     assert rel_error(ops.ksmm_wgmma(x, groups, *order), expected) < TOLERANCE[torch.float16]
-    assert ops.ksmm_path((4, 200, 136, 1), ops.KSMM_WGMMA_MIN_TOKENS) == "wgmma"
-    assert ops.ksmm_path((4, 200, 136, 1), ops.KSMM_WGMMA_MIN_TOKENS - 1) == "tensor-core"
-    x, factor = problem((4, 200, 136, 1), ops.KSMM_WGMMA_MIN_TOKENS, torch.float16)
-    assert rel_error(ops.ksmm(x, factor), expected64(x, factor)) < TOLERANCE[torch.float16]
+    with ops.ksmm_wgmma_from(64):
+        assert ops.ksmm_path((4, 200, 136, 1), 64) == "wgmma"
+        assert ops.ksmm_path((4, 200, 136, 1), 63) == "tensor-core"
+        x, factor = problem((4, 200, 136, 1), 64, torch.float16)
+        assert rel_error(ops.ksmm(x, factor), expected64(x, factor)) < TOLERANCE[torch.float16]
+    with ops.ksmm_wgmma_from(None):
+        assert ops.ksmm_path((4, 200, 136, 1), 4096) == "tensor-core"
 
 
 @requires_sm90
@@ -226,21 +229,24 @@ def test_chain_prefill_on_wgmma(patterns, plan):
     chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
                                    for p in patterns])
     x = torch.randn(300, chain.in_features, dtype=torch.float16, device="cuda")
-    assert [order is not None for order in chain.wgmma_plan(x)] == plan
-    assert chain.wgmma_plan(x[: ops.KSMM_WGMMA_MIN_TOKENS - 1]) == [None] * len(patterns)
-    before = chain.nbytes
-    dense = chain.to_dense().double()
-    assert rel_error(chain(x), x.double() @ dense.T) < 4e-3 * len(patterns)
-    copies = sum(f.numel() * 2 for f, on in zip(chain.factors, plan) if on and f.shape[3] > 1)
-    assert chain.nbytes == before + copies
-    out = torch.empty(300, chain.out_features, dtype=torch.float16, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(chain(x))
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_error(out, x.double() @ dense.T) < 4e-3 * len(patterns)
+    with ops.ksmm_wgmma_from(None):
+        assert chain.wgmma_plan(x) == [None] * len(patterns)
+    with ops.ksmm_wgmma_from(64):
+        assert [order is not None for order in chain.wgmma_plan(x)] == plan
+        assert chain.wgmma_plan(x[:63]) == [None] * len(patterns)
+        before = chain.nbytes
+        dense = chain.to_dense().double()
+        assert rel_error(chain(x), x.double() @ dense.T) < 4e-3 * len(patterns)
+        copies = sum(f.numel() * 2 for f, on in zip(chain.factors, plan) if on and f.shape[3] > 1)
+        assert chain.nbytes == before + copies
+        out = torch.empty(300, chain.out_features, dtype=torch.float16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(chain(x))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, x.double() @ dense.T) < 4e-3 * len(patterns)
 
 
 # Patterns of the fused decode factors: a == 1 with b even (silu_mul takes those), a > 1, d > 8, and long rows

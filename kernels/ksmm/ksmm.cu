@@ -85,8 +85,6 @@ KsmmPath ksmm_auto_path(int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t
                         const void* y) {
     if (tokens == 1 && ksmm_path_supports(KsmmPath::kRows, tokens, a, b, c, d, x, w, y)) return KsmmPath::kRows;
     if (ksmm_path_supports(KsmmPath::kGemv, tokens, a, b, c, d, x, w, y)) return KsmmPath::kGemv;
-    if (tokens >= kKsmmWgmmaMinTokens && ksmm_path_supports(KsmmPath::kWgmma, tokens, a, b, c, d, x, w, y))
-        return KsmmPath::kWgmma;
     if (ksmm_path_supports(KsmmPath::kTensorCore, tokens, a, b, c, d, x, w, y)) return KsmmPath::kTensorCore;
     return KsmmPath::kGeneric;
 }

@@ -13,8 +13,6 @@ namespace minfer {
 constexpr int kKsmmRowsMaxTokens = 16;
 // The rows kernel keeps d sums per token of a row; it takes d a power of two up to this.
 constexpr int kKsmmRowsMaxD = 64;
-// From this many tokens kAuto runs a d = 1 factor on the sm_90a wgmma kernel where it takes the shape.
-constexpr int kKsmmWgmmaMinTokens = 64;
 // The wgmma kernel's b and c are multiples of this (TMA rows of c in 16-byte units; two outputs a store).
 constexpr int kKsmmWgmmaMultiple = 8;
 
@@ -28,7 +26,8 @@ constexpr int kKsmmWgmmaMultiple = 8;
 //   alignment;
 // - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes, y 16-byte aligned too;
 // - kGeneric: one thread per output, anything;
-// - kWgmma: d = 1 on the sm_90a wgmma kernel (launch_ksmm_wgmma), from kKsmmWgmmaMinTokens tokens in kAuto.
+// - kWgmma: d = 1 on the sm_90a wgmma kernel (launch_ksmm_wgmma); not in kAuto (minfer/ops/ksmm.py routes prefill
+//   to it, KSMM_WGMMA_MIN_TOKENS).
 enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4, kWgmma = 5 };
 
 // Whether `path` can run this shape (pointers 16-byte aligned where the fast paths need it).

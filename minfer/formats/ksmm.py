@@ -9,10 +9,11 @@ the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
 On a GPU under minfer's kernels, forward runs one fused kernel per factor (ops.ksmm, kernels/ksmm: the
 stride-d gather and scatter in place, fp32 sums) for fp16/bf16 chains, the intermediates rounded to that
 dtype between factors; elsewhere it is the pure-PyTorch reference (one einsum per factor, fp32 intermediates).
-From ops.KSMM_WGMMA_MIN_TOKENS tokens on an sm_90 GPU, the chain's d = 1 factors run the wgmma kernel
-(ops.ksmm_wgmma), and so does a d > 1 factor that follows one: the factor before it writes its output in this
-factor's batch-major order (ops.to_batch_major), and the factor reads its W in the per-l layout [a·d, b, c]
-(ops.ksmm_groups), a copy built at the first such prefill and counted in nbytes.
+From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS tokens (ops.ksmm_wgmma_batch; off until the kernel has run on a
+GPU) on an sm_90 GPU, the chain's d = 1 factors run the wgmma kernel (ops.ksmm_wgmma), and so does a d > 1
+factor that follows one: the factor before it writes its output in this factor's batch-major order
+(ops.to_batch_major), and the factor reads its W in the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy
+built at the first such prefill and counted in nbytes.
 The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
 to a whole model, and this package must not import that one.
 """
@@ -118,10 +119,10 @@ class KSWeight(WeightFormat):
 
     def wgmma_plan(self, flat: torch.Tensor) -> list[tuple[int, int, int] | None]:
         """Per factor, for the chain input `flat`: None where the factor runs ops.ksmm, else the (d, next_c,
-        next_d) it runs ops.ksmm_wgmma with. From ops.KSMM_WGMMA_MIN_TOKENS tokens the wgmma kernel takes the
+        next_d) it runs ops.ksmm_wgmma with. For batches ops.ksmm_wgmma_batch takes, the wgmma kernel runs the
         d = 1 factors of its shapes, and a d > 1 factor right after one that runs it, which then writes this
         one's batch-major order (next_c, next_d); otherwise a factor writes its natural order (1, 1)."""
-        runs = flat.shape[0] >= ops.KSMM_WGMMA_MIN_TOKENS and ops.ksmm_wgmma_takes(flat)
+        runs = ops.ksmm_wgmma_batch(flat.shape[0]) and ops.ksmm_wgmma_takes(flat)
         patterns = self.patterns
         on: list[bool] = []
         for factor, (_, b, c, d) in zip(self.factors, patterns):

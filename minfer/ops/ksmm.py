@@ -3,6 +3,7 @@ kernel per factor, reading x with the stride-d gather and writing y with the str
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -13,7 +14,9 @@ from .runtime import fake_impl, use_kernels
 
 KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwidth paths' batch (gemv, rows)
 KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
-KSMM_WGMMA_MIN_TOKENS = 64  # kernels/ksmm/ksmm.h, kKsmmWgmmaMinTokens: from here the wgmma kernel runs prefill
+# From this many tokens ksmm and a KS chain's prefill run the wgmma kernel where it takes a factor; None: never.
+# Off until the kernel has run on a GPU (docs/perf-notes.md, 2026-11-28, KS fourth round); 64 is the planned value.
+KSMM_WGMMA_MIN_TOKENS: int | None = None
 KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
 KSMM_WGMMA_TILES = (0, 64, 128, 192, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
@@ -58,8 +61,24 @@ def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
     the first that takes it of rows (one token only), gemv, wgmma (from KSMM_WGMMA_MIN_TOKENS tokens),
     tensor-core and generic."""
     order = ("rows", "gemv") if tokens == 1 else ("gemv",)
-    order += ("wgmma", "tensor-core", "generic") if tokens >= KSMM_WGMMA_MIN_TOKENS else ("tensor-core", "generic")
+    order += ("wgmma", "tensor-core", "generic") if ksmm_wgmma_batch(tokens) else ("tensor-core", "generic")
     return next(path for path in order if ksmm_kernel_takes(path, pattern, tokens))
+
+
+def ksmm_wgmma_batch(tokens: int) -> bool:
+    """Whether a batch of `tokens` is one the wgmma kernel runs (KSMM_WGMMA_MIN_TOKENS)."""
+    return KSMM_WGMMA_MIN_TOKENS is not None and tokens >= KSMM_WGMMA_MIN_TOKENS
+
+
+@contextlib.contextmanager
+def ksmm_wgmma_from(min_tokens: int | None):
+    """KSMM_WGMMA_MIN_TOKENS set to `min_tokens` inside the block: benchmarks and tests compare the prefill paths."""
+    global KSMM_WGMMA_MIN_TOKENS
+    saved, KSMM_WGMMA_MIN_TOKENS = KSMM_WGMMA_MIN_TOKENS, min_tokens
+    try:
+        yield
+    finally:
+        KSMM_WGMMA_MIN_TOKENS = saved
 
 
 def _factor_product(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -157,7 +176,11 @@ def ksmm_gemv(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = 
 def ksmm(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, a·b·d] = x [T, a·c·d] times the factor's matrix transposed (ksmm_reference): on a GPU
     under the minfer backend one kernel for fp16/bf16 (ksmm_path: a bandwidth path up to KSMM_ROWS_MAX_TOKENS
-    tokens, the tensor cores past them); the reference otherwise."""
+    tokens, the tensor cores past them, wgmma for d = 1 from KSMM_WGMMA_MIN_TOKENS); the reference otherwise."""
+    a, b, c, d = factor.shape if factor.dim() == 4 else (0, 0, 0, 0)
+    if (d == 1 and x.dim() == 2 and ksmm_wgmma_batch(x.shape[0]) and ksmm_wgmma_takes(x) and ksmm_wgmma_shape(b, c)
+            and factor.dtype == x.dtype and factor.is_contiguous() and factor.data_ptr() % 16 == 0):
+        return ksmm_wgmma(x, factor.view(a, b, c), out=out)
     return _ksmm(x, factor, out, None)
 
 
