@@ -72,8 +72,11 @@ def ksmm_stand_ins():
     grid = [{"pattern": "(1,64,64,1)", "tokens": tokens, "speedup": 1.5, "factor_mb": 8.0, "pct_copy": 80.0,
              "path": "gemv", "minfer_ms": 0.01, "rows_ms": 0.02, "best": "bmm"} for tokens in ksmm_suite.BATCHES]
     e2e = [{"format": fmt, "decode_tok_s": 100.0, "prefill_ms": 10.0} for fmt in ("dense", ksmm_suite.KS_PRESET)]
+    wgmma = [{"pattern": "(4,1024,1024,1)", "tokens": 512, "wgmma_us": 9.0, "speedup": 1.7},
+             {"pattern": "(4,1024,1024,1)", "tokens": 64, "threshold": True, "ring_us": 5.0, "wgmma_us": 4.0}]
     return {ksmm_suite: {"run": stand_in((COPY_GBS, grid, [{"tokens": 1}]), *((row,) for row in grid)),
-                         "e2e_rows": stand_in(e2e, *((row,) for row in e2e))}}
+                         "e2e_rows": stand_in(e2e, *((row,) for row in e2e)), "wgmma_runs": lambda: True,
+                         "wgmma_rows": stand_in(wgmma, *((row,) for row in wgmma))}}
 
 
 # Per registered suite: the stand-ins for its GPU functions (module -> name -> replacement), the tables
@@ -86,7 +89,8 @@ STAND_INS = {
     "sparse24": (sparse24_stand_ins, ["2:4 decode", "2:4 prefill", "2:4 e2e"], []),
     "attention": (attention_stand_ins, ["block-sparse prefill", "kernel variants", "block-sparse decode"],
                   ["bench.png"]),
-    "ksmm": (ksmm_stand_ins, ["KS factors: grid", "KS factors: summary", "KS factors: e2e"], ["bench.png"]),
+    "ksmm": (ksmm_stand_ins, ["KS factors: grid", "KS factors: wgmma", "KS factors: summary", "KS factors: e2e"],
+             ["bench.png"]),
 }
 
 

@@ -36,6 +36,7 @@ def constants(relative_path: str) -> dict[str, int]:
     (macko._ORIGIN_BIAS, "macko/macko_tensor_core_spmm.cu", ["kOriginBias"]),
     (ops.KSMM_ROWS_MAX_TOKENS, "ksmm/ksmm.h", ["kKsmmRowsMaxTokens"]),
     (ops.KSMM_ROWS_MAX_D, "ksmm/ksmm.h", ["kKsmmRowsMaxD"]),
+    (ops.KSMM_WGMMA_MULTIPLE, "ksmm/ksmm.h", ["kKsmmWgmmaMultiple"]),
     (ops.BLOCKSPARSE_TILE, "blocksparse_attention/blocksparse_attention.h", ["kBlocksparseTile"]),
     (ops.SPARSE24_CHUNK_COLS, "sparse24/sparse24.h", ["kSparse24ChunkCols"]),
     (ops.SPARSE24_GEMV_MAX_TOKENS, "sparse24/sparse24.h", ["kSparse24MaxTokens"]),

@@ -245,3 +245,49 @@ def test_fused_factor_refusals():
     assert not ops.ksmm_gemv_fuses((2, 64, 96, 4), 1, silu_mul=True)  # the halves are not j < b/2 of one i
     assert not ops.ksmm_gemv_fuses((1, 64, 96, 4), 17)
     assert not ops.ksmm_gemv_fuses((1, 8, 5, 3), 1)
+
+
+@pytest.mark.parametrize("following", [None, (5, 6), (15, 2), (3, 10)], ids=str)
+@pytest.mark.parametrize("pattern", [(3, 5, 7, 1), (1, 6, 5, 2), (3, 2, 3, 5)], ids=str)
+def test_wgmma_reference_is_the_factor_in_both_orders(pattern, following):
+    """The wgmma kernel's oracle (ops.ksmm_wgmma_reference) on the factor's batch-major input and per-l groups
+    is ops.ksmm_reference, in the natural order or a next factor's batch-major order; ops.ksmm_wgmma on the CPU
+    is that reference; to_batch_major and from_batch_major are inverses."""
+    from minfer import ops
+
+    a, b, c, d = pattern
+    if following is not None and a * b * d % (following[0] * following[1]):
+        pytest.skip("the next factor does not chain with this one")
+    generator = torch.Generator().manual_seed(2)
+    factor = torch.randn(pattern, generator=generator, dtype=torch.float64)
+    x = torch.randn(5, a * c * d, generator=generator, dtype=torch.float64)
+    next_c, next_d = following or (1, 1)
+    expected = ops.ksmm_reference(x, factor)
+    if next_d > 1:
+        expected = ops.to_batch_major(expected, next_c, next_d)
+    x_batch_major = ops.to_batch_major(x, c, d)
+    assert torch.equal(ops.from_batch_major(x_batch_major, c, d), x)
+    groups = ops.ksmm_groups(factor)
+    assert torch.equal(groups[1 % (a * d)], factor[(1 % (a * d)) // d, :, :, (1 % (a * d)) % d])
+    got = ops.ksmm_wgmma_reference(x_batch_major, groups, d, next_c, next_d)
+    assert rel_error(got, expected) < 1e-14
+    assert torch.equal(ops.ksmm_wgmma(x_batch_major, groups, d, next_c, next_d), got)
+
+
+def test_wgmma_refusals_and_cpu_plan():
+    from minfer import ops
+
+    groups = torch.randn(4, 8, 8)
+    with pytest.raises(FormatError, match="takes x"):
+        ops.ksmm_wgmma(torch.randn(3, 30), groups)
+    with pytest.raises(FormatError, match="must chain"):
+        ops.ksmm_wgmma(torch.randn(3, 32), groups, 1, 7, 3)
+    with pytest.raises(FormatError, match="tile_n"):
+        ops.ksmm_wgmma(torch.randn(3, 32), groups, tile_n=96)
+    chain = KSWeight.from_factors(random_factors([(4, 64, 64, 1), (1, 64, 64, 4)], torch.float16))
+    with ops.ksmm_wgmma_from(64):
+        assert chain.wgmma_plan(torch.randn(300, 256, dtype=torch.float16)) == [None, None]  # no kernels on the CPU
+        assert ops.ksmm_path((4, 64, 64, 1), 300) == "tensor-core"  # no sm_90 GPU here
+        assert ops.ksmm_wgmma_batch(64) and not ops.ksmm_wgmma_batch(63)
+    with ops.ksmm_wgmma_from(None):
+        assert not ops.ksmm_wgmma_batch(1 << 20)

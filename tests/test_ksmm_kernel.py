@@ -107,8 +107,9 @@ def test_opcheck():
     x, factor = problem((1, 64, 96, 4), 3, torch.float16)
     out = x.new_empty(3, 256)
     torch.library.opcheck(torch.ops.minfer.ksmm, (x, factor, out))
-    for path in ops.KSMM_PATHS.values():
-        torch.library.opcheck(torch.ops.minfer.ksmm_tuned, (x, factor, out, path))
+    for name, path in ops.KSMM_PATHS.items():
+        if ops.ksmm_kernel_takes(name, (1, 64, 96, 4), 3):
+            torch.library.opcheck(torch.ops.minfer.ksmm_tuned, (x, factor, out, path))
 
 
 @pytest.mark.parametrize("tokens", [1, 300])
@@ -133,6 +134,119 @@ def test_chain_forward_runs_the_kernel_and_graph_replays_read_new_inputs(tokens)
         assert rel_error(out, x.double() @ dense.double().T) < 4e-3
     with ops.backend("torch"):
         assert rel_error(chain(x), x.double() @ dense.double().T) < 4e-3
+
+
+requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                   reason="the KS wgmma kernel needs an sm_90 GPU")
+
+# (pattern, the next factor's (c, d) or None): d = 1, 3, 4 with odd a, b and c partial tiles (b = 136, 200; c not a
+# multiple of the 64-wide k block), outputs into the natural order and into a next factor's batch-major order.
+WGMMA_CASES = [((3, 40, 24, 1), None), ((1, 136, 200, 1), None), ((4, 64, 64, 1), (64, 4)), ((3, 40, 24, 1), (8, 15)),
+               ((1, 64, 96, 4), None), ((3, 24, 72, 3), None), ((3, 24, 72, 3), (72, 3)), ((2, 200, 40, 4), (40, 20))]
+
+
+def wgmma_problem(pattern, following, tokens, dtype, seed=0):
+    """The kernel's inputs for factor `pattern` on x [tokens, a·c·d] (batch-major when d > 1) and the float64
+    expectation in the output order `following` asks for."""
+    x, factor = problem(pattern, tokens, dtype, seed)
+    _, _, c, d = pattern
+    next_c, next_d = following or (1, 1)
+    expected = ops.ksmm_reference(x.double(), factor.double())
+    if next_d > 1:
+        expected = ops.to_batch_major(expected, next_c, next_d)
+    return ops.to_batch_major(x, c, d).contiguous(), ops.ksmm_groups(factor), (d, next_c, next_d), expected
+
+
+@requires_sm90
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("direct_epilogue", [False, True])
+@pytest.mark.parametrize("tile_n", ops.KSMM_WGMMA_TILES)
+@pytest.mark.parametrize("tokens", [1, 17, 300])
+@pytest.mark.parametrize("case", WGMMA_CASES, ids=str)
+def test_wgmma_matches_float64(case, tokens, tile_n, direct_epilogue, dtype):
+    x, groups, order, expected = wgmma_problem(*case, tokens, dtype, seed=tokens)
+    out = torch.full(expected.shape, float("nan"), dtype=dtype, device="cuda")
+    ops.ksmm_wgmma(x, groups, *order, out, tile_n=tile_n, direct_epilogue=direct_epilogue)
+    assert rel_error(out, expected) < TOLERANCE[dtype]
+
+
+@requires_sm90
+@pytest.mark.racecheck
+@pytest.mark.parametrize("case, tokens", [(((3, 24, 72, 3), (72, 3)), 70), (((1, 136, 200, 1), None), 130)], ids=str)
+def test_wgmma_under_the_sanitizer(case, tokens):
+    """Memcheck and racecheck cases: the stage ring over partial tiles, both output orders."""
+    x, groups, order, expected = wgmma_problem(*case, tokens, torch.bfloat16)
+    assert rel_error(ops.ksmm_wgmma(x, groups, *order), expected) < TOLERANCE[torch.bfloat16]
+
+
+@requires_sm90
+@pytest.mark.memcheck_skip
+def test_wgmma_large_batch_and_auto_path():
+    """Many tiles per SM (the persistent loop) at 2000 tokens, and ops.ksmm taking d = 1 to the kernel from
+    KSMM_WGMMA_MIN_TOKENS tokens once that is set."""
+    x, groups, order, expected = wgmma_problem((4, 200, 136, 1), None, 2000, torch.float16)
+    assert rel_error(ops.ksmm_wgmma(x, groups, *order), expected) < TOLERANCE[torch.float16]
+    with ops.ksmm_wgmma_from(64):
+        assert ops.ksmm_path((4, 200, 136, 1), 64) == "wgmma"
+        assert ops.ksmm_path((4, 200, 136, 1), 63) == "tensor-core"
+        x, factor = problem((4, 200, 136, 1), 64, torch.float16)
+        assert rel_error(ops.ksmm(x, factor), expected64(x, factor)) < TOLERANCE[torch.float16]
+    with ops.ksmm_wgmma_from(None):
+        assert ops.ksmm_path((4, 200, 136, 1), 4096) == "tensor-core"
+
+
+@requires_sm90
+@pytest.mark.memcheck_skip
+def test_wgmma_refusals_and_opcheck():
+    x, groups, order, expected = wgmma_problem((3, 40, 24, 1), (8, 15), 5, torch.float16)
+    out = x.new_empty(expected.shape)
+    torch.library.opcheck(torch.ops.minfer.ksmm_wgmma, (x, groups, out, *order, 0, False))
+    with pytest.raises(RuntimeError, match="cannot run groups"):  # b = 12: not a multiple of 8
+        torch.ops.minfer.ksmm_wgmma(x, groups[:, :12].contiguous(), x.new_empty(5, 36), 1, 1, 1, 0, False)
+    with pytest.raises(RuntimeError, match="does not chain"):
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, 1, 7, 3, 0, False)
+    with pytest.raises(RuntimeError, match="tile_n must be"):
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, 1, 1, 1, 96, False)
+    misaligned = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+    with pytest.raises(RuntimeError, match="cannot run groups"):
+        torch.ops.minfer.ksmm_wgmma(misaligned, groups, out, *order, 0, False)
+    # the wrapper falls back to the reference where the kernel cannot run
+    assert rel_error(ops.ksmm_wgmma(misaligned, groups, *order), expected) < TOLERANCE[torch.float16]
+
+
+@requires_sm90
+@pytest.mark.parametrize("patterns, plan", [
+    ([(4, 64, 64, 1), (1, 64, 64, 4)], [True, True]),  # monarch-50's order: d = 4 reads batch-major
+    ([(1, 64, 64, 4), (4, 64, 64, 1)], [False, True]),  # d > 1 first: the ring tiles, then wgmma
+    ([(2, 40, 64, 1), (1, 80, 40, 2), (2, 40, 80, 1)], [True, True, True]),
+    ([(4, 36, 64, 1), (1, 72, 72, 2)], [False, False]),  # b = 36: the ring tiles for both
+], ids=str)
+def test_chain_prefill_on_wgmma(patterns, plan):
+    """The format's prefill: which factors run the wgmma kernel, the result against float64, the per-l copies
+    counted in nbytes once built, and a captured prefill reading a new input."""
+    generator = torch.Generator().manual_seed(5)
+    chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
+                                   for p in patterns])
+    x = torch.randn(300, chain.in_features, dtype=torch.float16, device="cuda")
+    with ops.ksmm_wgmma_from(None):
+        assert chain.wgmma_plan(x) == [None] * len(patterns)
+    with ops.ksmm_wgmma_from(64):
+        assert [order is not None for order in chain.wgmma_plan(x)] == plan
+        assert chain.wgmma_plan(x[:63]) == [None] * len(patterns)
+        before = chain.nbytes
+        dense = chain.to_dense().double()
+        assert rel_error(chain(x), x.double() @ dense.T) < 4e-3 * len(patterns)
+        copies = sum(f.numel() * 2 for f, on in zip(chain.factors, plan) if on and f.shape[3] > 1)
+        assert chain.nbytes == before + copies
+        out = torch.empty(300, chain.out_features, dtype=torch.float16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(chain(x))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(out, x.double() @ dense.T) < 4e-3 * len(patterns)
 
 
 # Patterns of the fused decode factors: a == 1 with b even (silu_mul takes those), a > 1, d > 8, and long rows

@@ -23,6 +23,18 @@ __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
+// Thread 0 initialises a ring's barriers, 8 bytes per stage each: `full` takes one arrival (the producer's
+// arrive.expect_tx), `empty` takes `consumer_arrivals`; then makes them visible to TMA.
+__device__ __forceinline__ void init_ring_barriers(uint32_t full_bar, uint32_t empty_bar, int stages,
+                                                   uint32_t consumer_arrivals) {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < stages; ++s) {
+        mbar_init(full_bar + 8 * s, 1);
+        mbar_init(empty_bar + 8 * s, consumer_arrivals);
+    }
+    fence_mbarrier_init();
+}
+
 // One arrival that also announces `bytes` of TMA traffic to come.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -53,6 +65,16 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}],"
         " [%6];\n" ::"r"(dst),
         "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// Box at coordinates (c0 innermost, c1, c2) of a 3-D tensor map -> shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}],"
+        " [%5];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
 

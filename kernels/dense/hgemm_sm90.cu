@@ -77,33 +77,6 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// D (64 x N, fp32) = A (64 x 16) * B (16 x N) + scale_d * D; DA, DB, SD: operand numbers of the
-// descriptors and of scale_d, which follow the N / 2 accumulators.
-#define MINFER_WGMMA(TYPE, SHAPE, REGS, DA, DB, SD, ...)                                                    \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" SD ", 0;\nwgmma.mma_async.sync.aligned." SHAPE         \
-                 ".f32." TYPE "." TYPE " {" REGS "}, %" DA ", %" DB ", p, 1, 1, 0, 0;\n}\n"                 \
-                 : __VA_ARGS__                                                                             \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-#define MINFER_WGMMA_TYPED(...) MINFER_WGMMA_BY_TYPE(MINFER_WGMMA, __VA_ARGS__)
-
-template <int BN, typename T>
-__device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    if constexpr (BN == 64) {
-        MINFER_WGMMA_TYPED("m64n64k16", MINFER_WGMMA_REGS0, "32", "33", "34", MINFER_F32(0));
-    } else if constexpr (BN == 128) {
-        MINFER_WGMMA_TYPED("m64n128k16", MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1, "64", "65", "66", MINFER_F32(0),
-                           MINFER_F32(32));
-    } else if constexpr (BN == 192) {
-        MINFER_WGMMA_TYPED("m64n192k16", MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1 ", " MINFER_WGMMA_REGS2, "96",
-                           "97", "98", MINFER_F32(0), MINFER_F32(32), MINFER_F32(64));
-    } else {
-        static_assert(BN == 256, "tile N is 64, 128, 192 or 256");
-        MINFER_WGMMA_TYPED("m64n256k16",
-                           MINFER_WGMMA_REGS0 ", " MINFER_WGMMA_REGS1 ", " MINFER_WGMMA_REGS2 ", " MINFER_WGMMA_REGS3,
-                           "128", "129", "130", MINFER_F32(0), MINFER_F32(32), MINFER_F32(64), MINFER_F32(96));
-    }
-}
-
 #endif  // MINFER_SM90A
 
 template <typename T, int BN, int CLUSTER>
@@ -134,13 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         return TileCoord{u.m * CLUSTER + rank, u.n};
     };
 
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < S; ++s) {
-            mbar_init(full_bar + 8 * s, 1);              // the producer's arrive.expect_tx
-            mbar_init(empty_bar + 8 * s, 8 * CLUSTER);   // one arrival per consumer warp of the cluster
-        }
-        fence_mbarrier_init();
-    }
+    init_ring_barriers(full_bar, empty_bar, S, 8 * CLUSTER);  // empty: one arrival per consumer warp of the cluster
     if constexpr (CLUSTER > 1) {
         cluster_sync();  // the peer's barriers exist before anything multicasts or arrives on them
     } else {
@@ -192,24 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         int epi = 0;  // epilogue chunks stored so far: buffer epi % 2
         for (int unit = first_unit; unit < num_units; unit += unit_step) {
             const TileCoord tile = tile_of(unit);
-            for (int kb = 0; kb < num_k; ++kb, ++it) {
-                const int s = it % S;
-                mbar_wait(full_bar + 8 * s, (it / S) & 1);
-                const uint32_t stage = base + s * Tile::kStageBytes;
-                const uint64_t desc_a = smem_descriptor(stage + consumer * 64 * 128);
-                const uint64_t desc_b = smem_descriptor(stage + Tile::kStageA);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < kBK / 16; ++k) wgmma_k16<BN, T>(acc, desc_a + 2 * k, desc_b + 2 * k, kb > 0 || k > 0);
-                wgmma_commit();
-                if (kb > 0) {  // the previous k-block's wgmmas are done: hand its stage back
-                    wgmma_wait<1>();
-                    release((it - 1) % S);
-                }
-            }
-            wgmma_wait<0>();
-            fence_registers(acc);
-            release((it - 1) % S);
+            consume_k_blocks<BN, T, S, Tile::kStageBytes, kBK>(acc, it, num_k, base, full_bar, consumer * 64 * 128,
+                                                              Tile::kStageA, release);
 
             // Epilogue, 64 columns at a time: registers -> swizzled shared buffer (stmatrix) -> TMA store.
             // Accumulator layout: d[4 j + {0,1}] at row lane / 4, d[4 j + {2,3}] at row lane / 4 + 8,

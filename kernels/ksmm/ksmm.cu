@@ -72,6 +72,7 @@ bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int
             return tokens <= kKsmmRowsMaxTokens && power_of_two(d) && d <= kKsmmRowsMaxD && vectors;
         case KsmmPath::kGemv:
             return tokens <= kKsmmRowsMaxTokens && (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors;
+        case KsmmPath::kWgmma: return d == 1 && ksmm_wgmma_supports(tokens, a, b, c, x, w, y);
         case KsmmPath::kTensorCore:
             // y too: its epilogue stores an output's l's at once (up to 16 bytes)
             return (d == 1 || d == 2 || d == 4 || d % 8 == 0) && vectors && aligned16(y) &&
@@ -96,6 +97,12 @@ void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t 
         return;
     }
     if (path == KsmmPath::kAuto) path = ksmm_auto_path(tokens, a, b, c, d, x, w, y);
+    if (path == KsmmPath::kWgmma) {
+        // A map the driver refuses after all falls back to the ring tiles (or generic): never no output.
+        if (launch_ksmm_wgmma(x, w, y, tokens, a, b, c, 1, 1, 1, 0, false, dtype, stream) == nullptr) return;
+        path = ksmm_path_supports(KsmmPath::kTensorCore, tokens, a, b, c, d, x, w, y) ? KsmmPath::kTensorCore
+                                                                                        : KsmmPath::kGeneric;
+    }
     if (dtype == DType::kBFloat16)
         launch_typed(static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(w),
                      static_cast<__nv_bfloat16*>(y), tokens, a, b, c, d, path, stream);

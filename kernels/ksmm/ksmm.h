@@ -13,6 +13,8 @@ namespace minfer {
 constexpr int kKsmmRowsMaxTokens = 16;
 // The rows kernel keeps d sums per token of a row; it takes d a power of two up to this.
 constexpr int kKsmmRowsMaxD = 64;
+// The wgmma kernel's b and c are multiples of this (TMA rows of c in 16-byte units; two outputs a store).
+constexpr int kKsmmWgmmaMultiple = 8;
 
 // Which kernel runs a factor. kAuto: rows for one token, gemv up to kKsmmRowsMaxTokens tokens, tensor cores past
 // them, generic for what none takes (the first that takes the shape; rows beat gemv at one token on 57 of 61
@@ -23,8 +25,10 @@ constexpr int kKsmmRowsMaxD = 64;
 // - kRows: the row runs on CUDA cores with fp32 sums per l, d a power of two up to kKsmmRowsMaxD, same
 //   alignment;
 // - kTensorCore: GEMM tiles per (i, group of l's) on mma.sync, any batch, gemv's shapes, y 16-byte aligned too;
-// - kGeneric: one thread per output, anything.
-enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4 };
+// - kGeneric: one thread per output, anything;
+// - kWgmma: d = 1 on the sm_90a wgmma kernel (launch_ksmm_wgmma); not in kAuto (minfer/ops/ksmm.py routes prefill
+//   to it, KSMM_WGMMA_MIN_TOKENS).
+enum class KsmmPath : int { kAuto = 0, kGeneric = 1, kRows = 2, kTensorCore = 3, kGemv = 4, kWgmma = 5 };
 
 // Whether `path` can run this shape (pointers 16-byte aligned where the fast paths need it).
 bool ksmm_path_supports(KsmmPath path, int64_t tokens, int64_t a, int64_t b, int64_t c, int64_t d, const void* x,
@@ -49,5 +53,26 @@ bool ksmm_gemv_fusion_supports(int64_t tokens, int64_t a, int64_t b, int64_t c, 
 // kernel where it takes the shape (faster than gemv at one token).
 void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int64_t a, int64_t b, int64_t c,
                       int64_t d, const ProjectionFusion& fusion, DType dtype, cudaStream_t stream);
+
+// The sm_90a wgmma kernel (ksmm_wgmma.cu) runs a factor as `groups` independent GEMMs
+//     y_g [tokens][b] = x [tokens][g*c .. g*c + c - 1] times w [g][b][c] transposed
+// with x [tokens][groups*c] and w [groups][b][c] contiguous. A d = 1 factor (a, b, c, 1) is exactly that with
+// groups = a on its natural x and W. A d > 1 factor is that with groups = a*d, g = i*d + l, on x in the factor's
+// batch-major order (input (i, k, l) at (i*d + l)*c + k instead of (i*c + k)*d + l) and W in the per-l layout
+// [a][d][b][c]. Output (g, r) of a token goes to the factor's natural position (i*b + r)*d + l of y
+// [tokens][groups*b] when next_d == 1, else to that position's place in the batch-major order of a next
+// factor (a', b', next_c, next_d) of the chain. The permutations live in the TMA coordinates and the store
+// addresses: no permutation pass.
+bool ksmm_wgmma_available();
+// Whether the kernel takes the shape: an sm_90 GPU and a 9.0a build, b and c multiples of kKsmmWgmmaMultiple,
+// x, w and y 16-byte aligned, int32 indices.
+bool ksmm_wgmma_supports(int64_t tokens, int64_t groups, int64_t b, int64_t c, const void* x, const void* w,
+                         const void* y);
+// Launches it (tile_n: outputs per tile, 64, 128, 192 or 256; 0 picks by shape; direct_epilogue: stores from
+// the accumulator registers instead of through shared memory); nullptr, or why it did not run.
+// With next_d > 1, groups*b must be a multiple of next_c*next_d.
+const char* launch_ksmm_wgmma(const void* x, const void* w, void* y, int64_t tokens, int64_t groups, int64_t b,
+                              int64_t c, int64_t d, int64_t next_c, int64_t next_d, int tile_n, bool direct_epilogue,
+                              DType dtype, cudaStream_t stream);
 
 }  // namespace minfer

@@ -38,19 +38,21 @@ FactorShape check_factor_product(const at::Tensor& x, const at::Tensor& factor, 
     return {tokens, a, b, c, d};
 }
 
-// `path`: 0 auto, 1 generic, 2 rows, 3 tensor cores, 4 gemv (minfer::KsmmPath), for tests and benchmarks.
+// `path`: 0 auto, 1 generic, 2 rows, 3 tensor cores, 4 gemv, 5 wgmma (minfer::KsmmPath), for tests and benchmarks.
 void ksmm_tuned(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out, int64_t path) {
     const char* op = "minfer.ksmm";
     const auto [tokens, a, b, c, d] = check_factor_product(x, factor, out, false, op);
-    MINFER_CHECK(path >= 0 && path <= 4, op,
-                 ": path must be 0 (auto), 1 (generic), 2 (rows), 3 (tensor cores) or 4 (gemv)");
+    MINFER_CHECK(path >= 0 && path <= 5, op,
+                 ": path must be 0 (auto), 1 (generic), 2 (rows), 3 (tensor cores), 4 (gemv) or 5 (wgmma)");
     const auto chosen = static_cast<minfer::KsmmPath>(path);
     MINFER_CHECK(minfer::ksmm_path_supports(chosen, tokens, a, b, c, d, x.data_ptr(), factor.data_ptr(),
                                             out.data_ptr()),
                  op, ": path ", path, " cannot run the pattern ", factor.sizes(), " for ", tokens,
                  " tokens (gemv and rows: at most ", minfer::kKsmmRowsMaxTokens,
                  " tokens; rows: d a power of two up to ", minfer::kKsmmRowsMaxD,
-                 "; the others: d 1, 2, 4 or a multiple of 8; all: c*d a multiple of 8 and 16-byte aligned tensors)");
+                 "; tensor cores, gemv: d 1, 2, 4 or a multiple of 8; all those: c*d a multiple of 8 and 16-byte ",
+                 "aligned tensors; wgmma: d == 1, b and c multiples of ", minfer::kKsmmWgmmaMultiple,
+                 ", an sm_90 GPU)");
     const c10::cuda::CUDAGuard guard(x.device());
     minfer::launch_ksmm(x.data_ptr(), factor.data_ptr(), out.data_ptr(), tokens, a, b, c, d, chosen,
                         dtype_of(factor), current_stream());
@@ -78,6 +80,47 @@ void ksmm_gemv(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out,
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// A factor as groups of GEMMs on the sm_90a wgmma kernel (ksmm.h, launch_ksmm_wgmma): x [T, G*c] (a d > 1
+// factor's batch-major order), groups [G, b, c] (the factor, or its per-l layout), out [T, G*b] in the factor's
+// natural order (next_d == 1) or the batch-major order of a next factor with that (c, d).
+void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, int64_t d, int64_t next_c,
+                int64_t next_d, int64_t tile_n, bool direct_epilogue) {
+    const char* op = "minfer.ksmm_wgmma";
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(groups, "groups");
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(groups.dim() == 3, op, ": groups must be a 3-D [G, b, c] tensor, got ", groups.sizes());
+    const int64_t g = groups.size(0), b = groups.size(1), c = groups.size(2);
+    MINFER_CHECK(x.dim() == 2 && x.size(1) == g * c, op, ": x must be [T, ", g * c, "] for groups ", groups.sizes(),
+                 ", got ", x.sizes());
+    const int64_t tokens = x.size(0);
+    MINFER_CHECK(out.dim() == 2 && out.size(0) == tokens && out.size(1) == g * b, op, ": out must be [", tokens,
+                 ", ", g * b, "], got ", out.sizes());
+    MINFER_CHECK(groups.scalar_type() == at::kHalf || groups.scalar_type() == at::kBFloat16, op,
+                 ": groups must be float16 or bfloat16, got ", groups.scalar_type());
+    MINFER_CHECK(x.scalar_type() == groups.scalar_type() && out.scalar_type() == groups.scalar_type(), op,
+                 ": x, groups and out must share one dtype");
+    MINFER_CHECK(x.device() == groups.device() && out.device() == groups.device(), op,
+                 ": tensors on different devices");
+    MINFER_CHECK(d >= 1 && g % d == 0, op, ": d must be >= 1 and divide the ", g, " groups, got ", d);
+    MINFER_CHECK(next_d >= 1 && (next_d == 1 || (next_c >= 1 && (g * b) % (next_c * next_d) == 0)), op,
+                 ": the next factor's (c, d) = (", next_c, ", ", next_d, ") does not chain with ", g * b, " outputs");
+    MINFER_CHECK(tile_n == 0 || tile_n == 64 || tile_n == 128 || tile_n == 192 || tile_n == 256, op,
+                 ": tile_n must be 0 (by shape), 64, 128, 192 or 256, got ", tile_n);
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op, ": out must not overlap x");
+    MINFER_CHECK(minfer::ksmm_wgmma_supports(tokens, g, b, c, x.data_ptr(), groups.data_ptr(), out.data_ptr()), op,
+                 ": the wgmma kernel cannot run groups ", groups.sizes(), " for ", tokens,
+                 " tokens (it needs an sm_90 ",
+                 "GPU and a 9.0a build, b and c multiples of ", minfer::kKsmmWgmmaMultiple,
+                 ", 16-byte aligned x, groups and out)");
+    const c10::cuda::CUDAGuard guard(x.device());
+    const char* error =
+        minfer::launch_ksmm_wgmma(x.data_ptr(), groups.data_ptr(), out.data_ptr(), tokens, g, b, c, d, next_c, next_d,
+                                  static_cast<int>(tile_n), direct_epilogue, dtype_of(groups), current_stream());
+    MINFER_CHECK(error == nullptr, op, ": ", error);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
@@ -85,10 +128,13 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("ksmm_tuned(Tensor x, Tensor factor, Tensor(a!) out, int path) -> ()");
     m.def("ksmm_gemv(Tensor x, Tensor factor, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, "
           "bool accumulate=False, bool silu_mul=False) -> ()");
+    m.def("ksmm_wgmma(Tensor x, Tensor groups, Tensor(a!) out, int d, int next_c, int next_d, int tile_n=0, "
+          "bool direct_epilogue=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("ksmm", &ksmm);
     m.impl("ksmm_tuned", &ksmm_tuned);
     m.impl("ksmm_gemv", &ksmm_gemv);
+    m.impl("ksmm_wgmma", &ksmm_wgmma);
 }

@@ -12,7 +12,12 @@ tokens. A case whose x, y or factor would pass MAX_CASE_BYTES is left out. Basel
 A case is a win when minfer is at least WIN_SPEEDUP times faster than the best baseline. At B = 1 the
 kernel's GB/s (factor, x and y bytes) is given against the copy rate.
 End to end: the random-weight model dense and with monarch-50 chains on all 7 projections, on minfer's kernels:
-decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time.
+decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time; on sm_90 once more
+with the chains' prefill on the wgmma kernel (ops.ksmm_wgmma_from(WGMMA_MIN_TOKENS)).
+wgmma (sm_90): the factors of Llama-2-7B's monarch-50 chains at WGMMA_BATCHES tokens on the wgmma kernel, each
+tile width and both epilogues, a d = 1 factor also into its chain's next factor's batch-major order (a d > 1
+factor reads its input in that order), against the mma.sync ring tiles and the best torch baseline; the per-l
+copy of a d > 1 factor's W; and the ring tiles against wgmma at small batches, for the threshold.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ WIN_SPEEDUP = 1.2
 LARGE_FACTOR_BYTES = 8 << 20  # the B = 1 bandwidth bar applies from this factor size on
 BASELINES = ("dense", "einsum", "bmm")
 KS_PRESET = "monarch-50"
+WGMMA_BATCHES = (512, 4096)
+WGMMA_THRESHOLD_BATCHES = (17, 32, 64, 128, 256)
+WGMMA_MIN_TOKENS = 64  # the prefill switch the wgmma end-to-end row sets (minfer/ops/ksmm.py)
 
 COLUMNS = {
     "grid": [report.Column(*c) for c in [
@@ -59,6 +67,13 @@ COLUMNS = {
         ("decode_tok_s", "decode tok/s", "{:.1f}"), ("vs_dense_decode", "vs dense", "{:.2f}x"),
         ("prefill_ms", "prefill ms", "{:.1f}"), ("vs_dense_prefill", "prefill vs dense", "{:.2f}x"),
         ("peak_mem_gb", "peak GB", "{:.2f}")]],
+    "wgmma": [report.Column(*c) for c in [
+        ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("wgmma_us", "wgmma us", "{:.1f}"),
+        ("tflops", "TFLOP/s", "{:.0f}"), ("tiles", "us by tile 64/128/192/256"),
+        ("direct_us", "direct epi us", "{:.1f}"),
+        ("chain_us", "into next's order us (direct)"), ("ring_us", "ring tiles us", "{:.1f}"),
+        ("best_us", "best torch us", "{:.1f}"), ("best", "best torch"), ("speedup", "vs best", "{:.2f}x"),
+        ("copy_us", "per-l W copy us", "{:.1f}"), ("max_err", "max rel err", "{:.1e}")]],
 }
 
 
@@ -132,6 +147,86 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     return row
 
 
+def wgmma_runs() -> bool:
+    """Whether this GPU runs the wgmma kernel (an sm_90 part)."""
+    return ops.ksmm_kernel_takes("wgmma", (1, 64, 64, 1), WGMMA_MIN_TOKENS)
+
+
+def wgmma_operands(pattern: Pattern, tokens: int, dtype: torch.dtype) -> tuple[int, list, list, list, list]:
+    """Copies rotated past L2 of a factor, its groups (ops.ksmm_groups), x and x in the batch-major order."""
+    a, b, c, d = pattern
+    size = torch.finfo(dtype).bits // 8
+    copies = rotation_count(size * (2 * a * b * c * d + 2 * tokens * a * c * d))
+    factors = [(torch.randn(pattern, device="cuda") / c**0.5).to(dtype) for _ in range(copies)]
+    xs = [torch.randn(tokens, a * c * d, device="cuda").to(dtype) for _ in range(copies)]
+    return (copies, factors, [ops.ksmm_groups(f) for f in factors], xs,
+            [ops.to_batch_major(x, c, d).contiguous() for x in xs])
+
+
+def wgmma_case(pattern: Pattern, following: Pattern | None, tokens: int, dtype: torch.dtype, reps: int) -> dict:
+    """One factor on the wgmma kernel (its input in the order the chain gives it), every variant timed and
+    checked against float64; `following`: the chain's next factor when it has d > 1."""
+    a, b, c, d = pattern
+    copies, factors, groups, xs, xs_major = wgmma_operands(pattern, tokens, dtype)
+    out = torch.empty(tokens, a * b * d, device="cuda", dtype=dtype)
+    expected = ops.ksmm_reference(xs[0].double(), factors[0].double())
+    errors = []
+
+    def timed(next_c: int, next_d: int, **knobs) -> float:
+        ops.ksmm_wgmma(xs_major[0], groups[0], d, next_c, next_d, out, **knobs)
+        want = ops.to_batch_major(expected, next_c, next_d) if next_d > 1 else expected
+        errors.append(float((out.double() - want).norm() / want.norm()))
+        return time_graph(lambda i: ops.ksmm_wgmma(xs_major[i], groups[i], d, next_c, next_d, out, **knobs),
+                          copies, reps)
+
+    row = {"pattern": str(pattern), "tokens": tokens, "wgmma_us": 1e3 * timed(1, 1)}
+    row["tflops"] = 2 * tokens * a * b * c * d / (row["wgmma_us"] * 1e-6) / 1e12
+    row["tiles"] = " / ".join(f"{1e3 * timed(1, 1, tile_n=tile):.1f}" for tile in ops.KSMM_WGMMA_TILES if tile)
+    row["direct_us"] = 1e3 * timed(1, 1, direct_epilogue=True)
+    if following is not None:
+        _, _, next_c, next_d = following
+        row["chain_us"] = (f"{1e3 * timed(next_c, next_d):.1f} "
+                           f"({1e3 * timed(next_c, next_d, direct_epilogue=True):.1f})")
+    row["ring_us"] = 1e3 * time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="tensor-core"),
+                                      copies, reps)
+    baseline = time_case(pattern, tokens, dtype, reps, copy_gbs=1.0)
+    row["best"] = baseline["best"]
+    row["best_us"] = 1e3 * baseline["speedup"] * baseline["minfer_ms"]
+    row["speedup"] = row["best_us"] / row["wgmma_us"]
+    if d > 1:
+        scratch = torch.empty_like(groups[0])
+        row["copy_us"] = 1e3 * time_graph(lambda i: scratch.view(a, d, b, c).copy_(factors[i].permute(0, 3, 1, 2)),
+                                          copies, reps)
+    row["max_err"] = max(errors)
+    return row
+
+
+def wgmma_rows(dtype: torch.dtype, reps: int, on_row: Callable[[dict], None]) -> list[dict]:
+    """The monarch-50 factors of Llama-2-7B on the wgmma kernel, then the ring tiles against it at small
+    batches (rows with `threshold`)."""
+    rows = []
+    for shape in LLAMA2_7B_PROJECTIONS:
+        chain = monarch_chain(shape, 0.5)
+        for index, pattern in enumerate(chain):
+            following = chain[index + 1] if index + 1 < len(chain) and chain[index + 1][3] > 1 else None
+            for tokens in WGMMA_BATCHES:
+                rows.append(wgmma_case(pattern, following, tokens, dtype, reps))
+                on_row(rows[-1])
+                gc.collect()
+                torch.cuda.empty_cache()
+    for pattern in dict.fromkeys(p for shape in LLAMA2_7B_PROJECTIONS[:2] for p in monarch_chain(shape, 0.5)):
+        a, b, c, d = pattern
+        for tokens in WGMMA_THRESHOLD_BATCHES:
+            copies, factors, groups, xs, xs_major = wgmma_operands(pattern, tokens, dtype)
+            out = torch.empty(tokens, a * b * d, device="cuda", dtype=dtype)
+            ring = time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="tensor-core"), copies, reps)
+            wgmma = time_graph(lambda i: ops.ksmm_wgmma(xs_major[i], groups[i], d, out=out), copies, reps)
+            rows.append({"pattern": str(pattern), "tokens": tokens, "threshold": True, "ring_us": 1e3 * ring,
+                         "wgmma_us": 1e3 * wgmma})
+            on_row(rows[-1])
+    return rows
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     summary = []
     for tokens in (*dict.fromkeys(r["tokens"] for r in rows), None):
@@ -175,9 +270,15 @@ def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.
         return factorize
 
     rows = []
-    for projections in ("dense", KS_PRESET):
-        stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens, embedding)
-        rows.append({"model": model_name, "format": projections, **stats})
+    variants = [("dense", None), (KS_PRESET, None)]
+    if wgmma_runs():
+        variants.append((KS_PRESET, WGMMA_MIN_TOKENS))
+    for projections, wgmma_from in variants:
+        with ops.ksmm_wgmma_from(wgmma_from):
+            stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens,
+                                             embedding)
+        label = projections if wgmma_from is None else f"{projections}, wgmma prefill"
+        rows.append({"model": model_name, "format": label, **stats})
         on_row(rows[-1])
     dense = rows[0]
     for row in rows:
@@ -228,6 +329,9 @@ def run_step(bench: SuiteRun) -> dict:
         on_row=lambda row: print(f"  ksmm e2e {row['format']}: {row['decode_tok_s']:.1f} tok/s, prefill "
                                  f"{row['prefill_ms']:.1f} ms", flush=True))
     bench.save({"ksmm": rows})
+    if wgmma_runs():
+        rows["wgmma"] = wgmma_rows(bench.dtype, args.reps, lambda row: print(f"  ksmm wgmma {row}", flush=True))
+        bench.save({"ksmm": rows})
     copy_gbs, rows["grid"], rows["summary"] = run(bench.dtype, args.reps, print_case, grid_batches(args))
     bench.env["copy_gbs"] = round(copy_gbs, 1)
     return {"ksmm": rows}
@@ -247,10 +351,15 @@ def grid_batches(args) -> tuple[int, ...]:
 
 
 def report_step(bench: SuiteRun) -> None:
-    for section in ("grid", "summary", "e2e"):  # the summary and the end-to-end rows last, under the long grid
+    for section in ("grid", "wgmma", "summary", "e2e"):  # the summary and the end-to-end rows last
         rows = bench.results["ksmm"].get(section)
         if rows is None:
             continue
+        if section == "wgmma":
+            threshold = [r for r in rows if r.get("threshold")]
+            rows = [r for r in rows if not r.get("threshold")]
+            print("  ring tiles / wgmma us at small batches: " + ", ".join(
+                f"{r['pattern']} B={r['tokens']} {r['ring_us']:.1f} / {r['wgmma_us']:.1f}" for r in threshold))
         report.print_table(f"KS factors: {section} ({bench.env.get('device')}, {bench.args.dtype})", COLUMNS[section],
                            rows)
 

@@ -9,6 +9,11 @@ the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
 On a GPU under minfer's kernels, forward runs one fused kernel per factor (ops.ksmm, kernels/ksmm: the
 stride-d gather and scatter in place, fp32 sums) for fp16/bf16 chains, the intermediates rounded to that
 dtype between factors; elsewhere it is the pure-PyTorch reference (one einsum per factor, fp32 intermediates).
+From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS tokens (ops.ksmm_wgmma_batch; off until the kernel has run on a
+GPU) on an sm_90 GPU, the chain's d = 1 factors run the wgmma kernel (ops.ksmm_wgmma), and so does a d > 1
+factor that follows one: the factor before it writes its output in this factor's batch-major order
+(ops.to_batch_major), and the factor reads its W in the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy
+built at the first such prefill and counted in nbytes.
 The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
 to a whole model, and this package must not import that one.
 """
@@ -81,6 +86,8 @@ class KSWeight(WeightFormat):
         for index, factor in enumerate(factors):
             self.register_buffer(f"factor{index}", factor)
         self.factor_count = len(factors)
+        # factor index -> (the factor's device, data_ptr and version it was built from, its per-l layout)
+        self._wgmma_groups: dict[int, tuple[tuple, torch.Tensor]] = {}
 
     @property
     def factors(self) -> list[torch.Tensor]:
@@ -89,6 +96,44 @@ class KSWeight(WeightFormat):
     @property
     def patterns(self) -> list[Pattern]:
         return [tuple(f.shape) for f in self.factors]
+
+    def wgmma_groups(self, index: int) -> torch.Tensor:
+        """Factor `index` as the wgmma kernel's groups (ops.ksmm_groups): a view at d = 1; at d > 1 the per-l
+        copy, built once per device and contents of the factor (a loader fills buffers in place, `.to()` moves
+        them)."""
+        factor = getattr(self, f"factor{index}")
+        if factor.shape[3] == 1:
+            return ops.ksmm_groups(factor)
+        source = (factor.device, factor.data_ptr(), factor._version)
+        built = self._wgmma_groups.get(index)
+        if built is None or built[0] != source:
+            built = (source, ops.ksmm_groups(factor))
+            self._wgmma_groups[index] = built
+        return built[1]
+
+    @property
+    def nbytes(self) -> int:
+        """The factors, plus the per-l copies of the d > 1 factors once a prefill has built them."""
+        copies = (groups for _, groups in self._wgmma_groups.values())
+        return super().nbytes + sum(groups.numel() * groups.element_size() for groups in copies)
+
+    def wgmma_plan(self, flat: torch.Tensor) -> list[tuple[int, int, int] | None]:
+        """Per factor, for the chain input `flat`: None where the factor runs ops.ksmm, else the (d, next_c,
+        next_d) it runs ops.ksmm_wgmma with. For batches ops.ksmm_wgmma_batch takes, the wgmma kernel runs the
+        d = 1 factors of its shapes, and a d > 1 factor right after one that runs it, which then writes this
+        one's batch-major order (next_c, next_d); otherwise a factor writes its natural order (1, 1)."""
+        runs = ops.ksmm_wgmma_batch(flat.shape[0]) and ops.ksmm_wgmma_takes(flat)
+        patterns = self.patterns
+        on: list[bool] = []
+        for factor, (_, b, c, d) in zip(self.factors, patterns):
+            ready = factor.data_ptr() % 16 == 0 if d == 1 else bool(on) and on[-1]  # d > 1: batch-major x
+            on.append(runs and ops.ksmm_wgmma_shape(b, c) and ready)
+        plan: list[tuple[int, int, int] | None] = []
+        for index, (_, _, _, d) in enumerate(patterns):
+            following = index + 1 < len(on) and on[index + 1] and patterns[index + 1][3] > 1
+            next_c, next_d = patterns[index + 1][2:] if following else (1, 1)
+            plan.append((d, next_c, next_d) if on[index] else None)
+        return plan
 
     @classmethod
     def from_factors(cls, factors: Sequence[torch.Tensor]) -> KSWeight:
@@ -151,8 +196,9 @@ class KSWeight(WeightFormat):
         flat = x.reshape(-1, self.in_features)
         if ops.use_kernels(flat) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES:
             flat = flat.contiguous()
-            for factor in self.factors:
-                flat = ops.ksmm(flat, factor)
+            for index, (factor, order) in enumerate(zip(self.factors, self.wgmma_plan(flat))):
+                flat = ops.ksmm(flat, factor) if order is None else ops.ksmm_wgmma(flat, self.wgmma_groups(index),
+                                                                                    *order)
             return flat.reshape(*x.shape[:-1], self.out_features)
         compute = torch.promote_types(x.dtype, torch.float32)
         return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

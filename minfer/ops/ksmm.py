@@ -3,6 +3,9 @@ kernel per factor, reading x with the stride-d gather and writing y with the str
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -11,18 +14,41 @@ from .runtime import fake_impl, use_kernels
 
 KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwidth paths' batch (gemv, rows)
 KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
+# From this many tokens ksmm and a KS chain's prefill run the wgmma kernel where it takes a factor; None: never.
+# Off until the kernel has run on a GPU (docs/perf-notes.md, 2026-11-28, KS fourth round); 64 is the planned value.
+KSMM_WGMMA_MIN_TOKENS: int | None = None
+KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
+KSMM_WGMMA_TILES = (0, 64, 128, 192, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
-KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4}
+KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4, "wgmma": 5}
 KSMM_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    # Cached: asked for every factor of a prefill.
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def ksmm_wgmma_shape(b: int, c: int) -> bool:
+    """Whether the wgmma kernel takes a factor's (or a group's) b and c: multiples of KSMM_WGMMA_MULTIPLE."""
+    return b >= 1 and c >= 1 and b % KSMM_WGMMA_MULTIPLE == 0 and c % KSMM_WGMMA_MULTIPLE == 0
+
+
+def _on_sm90() -> bool:
+    return torch.cuda.is_available() and _is_sm90(torch.cuda.current_device())
 
 
 def ksmm_kernel_takes(path: str, pattern: tuple[int, int, int, int], tokens: int) -> bool:
     """Whether the kernel `path` runs this pattern and batch, given 16-byte aligned tensors (kernels/ksmm/ksmm.h,
     KsmmPath): the fast paths read c·d runs in 16-byte chunks; "gemv" and "rows" take up to
     KSMM_ROWS_MAX_TOKENS tokens, "rows" d a power of two up to KSMM_ROWS_MAX_D, "gemv" and "tensor-core" d in
-    (1, 2, 4) or a multiple of 8; "generic" (and "auto") anything."""
-    _, _, c, d = pattern
+    (1, 2, 4) or a multiple of 8, "wgmma" d = 1 with b and c multiples of KSMM_WGMMA_MULTIPLE on an sm_90 GPU
+    (the current device); "generic" (and "auto") anything."""
+    _, b, c, d = pattern
     vectors = c * d % 8 == 0
+    if path == "wgmma":
+        return d == 1 and ksmm_wgmma_shape(b, c) and _on_sm90()
     if path == "rows":
         return vectors and tokens <= KSMM_ROWS_MAX_TOKENS and d & (d - 1) == 0 and d <= KSMM_ROWS_MAX_D
     if path in ("gemv", "tensor-core"):
@@ -32,9 +58,27 @@ def ksmm_kernel_takes(path: str, pattern: tuple[int, int, int, int], tokens: int
 
 def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
     """The kernel ops.ksmm runs for this pattern and batch (aligned tensors; kernels/ksmm/ksmm.h, KsmmPath):
-    the first that takes it of rows (one token only), gemv, tensor-core and generic."""
-    order = ("rows", "gemv", "tensor-core", "generic") if tokens == 1 else ("gemv", "tensor-core", "generic")
+    the first that takes it of rows (one token only), gemv, wgmma (from KSMM_WGMMA_MIN_TOKENS tokens),
+    tensor-core and generic."""
+    order = ("rows", "gemv") if tokens == 1 else ("gemv",)
+    order += ("wgmma", "tensor-core", "generic") if ksmm_wgmma_batch(tokens) else ("tensor-core", "generic")
     return next(path for path in order if ksmm_kernel_takes(path, pattern, tokens))
+
+
+def ksmm_wgmma_batch(tokens: int) -> bool:
+    """Whether a batch of `tokens` is one the wgmma kernel runs (KSMM_WGMMA_MIN_TOKENS)."""
+    return KSMM_WGMMA_MIN_TOKENS is not None and tokens >= KSMM_WGMMA_MIN_TOKENS
+
+
+@contextlib.contextmanager
+def ksmm_wgmma_from(min_tokens: int | None):
+    """KSMM_WGMMA_MIN_TOKENS set to `min_tokens` inside the block: benchmarks and tests compare the prefill paths."""
+    global KSMM_WGMMA_MIN_TOKENS
+    saved, KSMM_WGMMA_MIN_TOKENS = KSMM_WGMMA_MIN_TOKENS, min_tokens
+    try:
+        yield
+    finally:
+        KSMM_WGMMA_MIN_TOKENS = saved
 
 
 def _factor_product(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -132,7 +176,11 @@ def ksmm_gemv(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = 
 def ksmm(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, a·b·d] = x [T, a·c·d] times the factor's matrix transposed (ksmm_reference): on a GPU
     under the minfer backend one kernel for fp16/bf16 (ksmm_path: a bandwidth path up to KSMM_ROWS_MAX_TOKENS
-    tokens, the tensor cores past them); the reference otherwise."""
+    tokens, the tensor cores past them, wgmma for d = 1 from KSMM_WGMMA_MIN_TOKENS); the reference otherwise."""
+    a, b, c, d = factor.shape if factor.dim() == 4 else (0, 0, 0, 0)
+    if (d == 1 and x.dim() == 2 and ksmm_wgmma_batch(x.shape[0]) and ksmm_wgmma_takes(x) and ksmm_wgmma_shape(b, c)
+            and factor.dtype == x.dtype and factor.is_contiguous() and factor.data_ptr() % 16 == 0):
+        return ksmm_wgmma(x, factor.view(a, b, c), out=out)
     return _ksmm(x, factor, out, None)
 
 
@@ -159,4 +207,81 @@ def _ksmm(x: torch.Tensor, factor: torch.Tensor, out: torch.Tensor | None, path:
             torch.ops.minfer.ksmm_tuned(x, factor, out, path)
     else:
         out.copy_(ksmm_reference(x, factor))
+    return out
+
+
+def to_batch_major(x: torch.Tensor, c: int, d: int) -> torch.Tensor:
+    """x [T, a·c·d] in a factor (a, ·, c, d)'s natural input order -> its batch-major order: input (i, k, l) moves
+    from (i·c + k)·d + l to (i·d + l)·c + k, so that each (i, l)'s c inputs are contiguous."""
+    tokens = x.shape[0]
+    return x.reshape(tokens, -1, c, d).transpose(2, 3).reshape(tokens, -1)
+
+
+def from_batch_major(x: torch.Tensor, c: int, d: int) -> torch.Tensor:
+    """The inverse of to_batch_major."""
+    tokens = x.shape[0]
+    return x.reshape(tokens, -1, d, c).transpose(2, 3).reshape(tokens, -1)
+
+
+def ksmm_groups(factor: torch.Tensor) -> torch.Tensor:
+    """The (a, b, c, d) factor as the wgmma kernel's groups [a·d, b, c]: group i·d + l is W[i, :, :, l], its k's
+    contiguous (a copy when d > 1, a view of the factor when d == 1)."""
+    a, b, c, d = factor.shape
+    return factor.permute(0, 3, 1, 2).reshape(a * d, b, c).contiguous()
+
+
+def ksmm_wgmma_reference(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 1,
+                         next_d: int = 1) -> torch.Tensor:
+    """The wgmma kernel's product (kernels/ksmm/ksmm.h, launch_ksmm_wgmma) in fp32 (float64 stays float64),
+    rounded to x's dtype: y_g = x_g groups[g]^T for x [T, G·c] whose columns g·c .. g·c + c - 1 are x_g, written
+    in the factor's natural order (g = i·d + l, output r at (i·b + r)·d + l), then, with next_d > 1, in the
+    batch-major order of a next factor with that (c, d) (to_batch_major)."""
+    count, b, c = groups.shape
+    tokens = x.shape[0]
+    compute = torch.promote_types(x.dtype, torch.float32)
+    y = torch.einsum("ngk,grk->ngr", x.reshape(tokens, count, c).to(compute), groups.to(compute))
+    y = from_batch_major(y.reshape(tokens, count * b), b, d)
+    if next_d > 1:
+        y = to_batch_major(y, next_c, next_d)
+    return y.to(x.dtype)
+
+
+@fake_impl("minfer::ksmm_wgmma")
+def _ksmm_wgmma_fake(x, groups, out, d, next_c, next_d, tile_n=0, direct_epilogue=False):
+    return None
+
+
+def ksmm_wgmma_takes(x: torch.Tensor) -> bool:
+    """Whether the wgmma kernel runs on x: minfer's kernels on an sm_90 GPU, fp16/bf16 x contiguous and 16-byte
+    aligned (the groups must be too, in x's dtype, with b and c that pass ksmm_wgmma_shape)."""
+    return (use_kernels(x) and x.dtype in KSMM_DTYPES and x.is_contiguous() and x.data_ptr() % 16 == 0
+            and _is_sm90(x.get_device()))
+
+
+def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 1, next_d: int = 1,
+               out: torch.Tensor | None = None, *, tile_n: int = 0, direct_epilogue: bool = False) -> torch.Tensor:
+    """A factor as groups of GEMMs (ksmm_wgmma_reference): x [T, G·c] (a d > 1 factor's input in its batch-major
+    order, to_batch_major), groups [G, b, c] (ksmm_groups), out [T, G·b] in the factor's natural order, or with
+    next_d > 1 in the next factor's batch-major order. The sm_90a wgmma kernel where ksmm_wgmma_takes (tile_n:
+    one of KSMM_WGMMA_TILES, and direct_epilogue, stores from the accumulator registers instead of through shared
+    memory, for benchmarks), the reference elsewhere."""
+    if groups.dim() != 3 or x.dim() != 2 or x.shape[1] != groups.shape[0] * groups.shape[2]:
+        raise FormatError(f"ksmm_wgmma takes x [T, G·c] and groups [G, b, c], got x {tuple(x.shape)} and groups "
+                          f"{tuple(groups.shape)}")
+    count, b, _ = groups.shape
+    if d < 1 or count % d or next_d < 1 or (next_d > 1 and (next_c < 1 or count * b % (next_c * next_d))):
+        raise FormatError(f"ksmm_wgmma: d = {d} must divide the {count} groups and the next factor's (c, d) = "
+                          f"({next_c}, {next_d}) must chain with {count * b} outputs")
+    if tile_n not in KSMM_WGMMA_TILES:
+        raise FormatError(f"ksmm_wgmma: tile_n is one of {KSMM_WGMMA_TILES}, got {tile_n}")
+    if out is None:
+        out = x.new_empty(x.shape[0], count * b)
+    elif out.shape != (x.shape[0], count * b):
+        raise FormatError(f"ksmm_wgmma: out must be [{x.shape[0]}, {count * b}], got {tuple(out.shape)}")
+    kernel = (ksmm_wgmma_takes(x) and ksmm_wgmma_shape(b, groups.shape[2]) and groups.dtype == x.dtype
+              and groups.is_contiguous() and groups.data_ptr() % 16 == 0)
+    if kernel and x.shape[0] > 0:
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n, direct_epilogue)
+    else:
+        out.copy_(ksmm_wgmma_reference(x, groups, d, next_c, next_d))
     return out
