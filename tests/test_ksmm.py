@@ -287,7 +287,21 @@ def test_wgmma_refusals_and_cpu_plan():
     chain = KSWeight.from_factors(random_factors([(4, 64, 64, 1), (1, 64, 64, 4)], torch.float16))
     with ops.ksmm_wgmma_from(64):
         assert chain.wgmma_plan(torch.randn(300, 256, dtype=torch.float16)) == [None, None]  # no kernels on the CPU
-        assert ops.ksmm_path((4, 64, 64, 1), 300) == "tensor-core"  # no sm_90 GPU here
+        sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+        assert ops.ksmm_path((4, 64, 64, 1), 300) == ("wgmma" if sm90 else "tensor-core")
         assert ops.ksmm_wgmma_batch(64) and not ops.ksmm_wgmma_batch(63)
     with ops.ksmm_wgmma_from(None):
         assert not ops.ksmm_wgmma_batch(1 << 20)
+
+
+def test_prefill_steps_are_cached_per_kind_of_input_and_rebuilt_when_a_factor_changes():
+    chain = KSWeight.from_factors(random_factors([(4, 64, 64, 1), (1, 64, 64, 4)], torch.float16))
+    x = torch.randn(300, 256, dtype=torch.float16)
+    steps = chain.prefill_steps(x)
+    assert [order for _, order in steps] == [None, None]  # no kernels on the CPU: ops.ksmm for every factor
+    assert all(weights is factor for (weights, _), factor in zip(steps, chain.factors))
+    assert chain.prefill_steps(torch.randn(300, 256, dtype=torch.float16)) is steps
+    assert chain.prefill_steps(torch.randn(3, 256, dtype=torch.float16)) is not steps  # not a wgmma batch
+    steps = chain.prefill_steps(x)
+    chain.factor0.mul_(2)  # a loader filling the buffer in place
+    assert chain.prefill_steps(x) is not steps

@@ -160,14 +160,13 @@ def wgmma_problem(pattern, following, tokens, dtype, seed=0):
 @requires_sm90
 @pytest.mark.memcheck_skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("direct_epilogue", [False, True])
 @pytest.mark.parametrize("tile_n", ops.KSMM_WGMMA_TILES)
 @pytest.mark.parametrize("tokens", [1, 17, 300])
 @pytest.mark.parametrize("case", WGMMA_CASES, ids=str)
-def test_wgmma_matches_float64(case, tokens, tile_n, direct_epilogue, dtype):
+def test_wgmma_matches_float64(case, tokens, tile_n, dtype):
     x, groups, order, expected = wgmma_problem(*case, tokens, dtype, seed=tokens)
     out = torch.full(expected.shape, float("nan"), dtype=dtype, device="cuda")
-    ops.ksmm_wgmma(x, groups, *order, out, tile_n=tile_n, direct_epilogue=direct_epilogue)
+    ops.ksmm_wgmma(x, groups, *order, out, tile_n=tile_n)
     assert rel_error(out, expected) < TOLERANCE[dtype]
 
 
@@ -201,16 +200,16 @@ def test_wgmma_large_batch_and_auto_path():
 def test_wgmma_refusals_and_opcheck():
     x, groups, order, expected = wgmma_problem((3, 40, 24, 1), (8, 15), 5, torch.float16)
     out = x.new_empty(expected.shape)
-    torch.library.opcheck(torch.ops.minfer.ksmm_wgmma, (x, groups, out, *order, 0, False))
+    torch.library.opcheck(torch.ops.minfer.ksmm_wgmma, (x, groups, out, *order, 0))
     with pytest.raises(RuntimeError, match="cannot run groups"):  # b = 12: not a multiple of 8
-        torch.ops.minfer.ksmm_wgmma(x, groups[:, :12].contiguous(), x.new_empty(5, 36), 1, 1, 1, 0, False)
+        torch.ops.minfer.ksmm_wgmma(x, groups[:, :12].contiguous(), x.new_empty(5, 36), 1, 1, 1, 0)
     with pytest.raises(RuntimeError, match="does not chain"):
-        torch.ops.minfer.ksmm_wgmma(x, groups, out, 1, 7, 3, 0, False)
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, 1, 7, 3, 0)
     with pytest.raises(RuntimeError, match="tile_n must be"):
-        torch.ops.minfer.ksmm_wgmma(x, groups, out, 1, 1, 1, 96, False)
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, 1, 1, 1, 96)
     misaligned = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
     with pytest.raises(RuntimeError, match="cannot run groups"):
-        torch.ops.minfer.ksmm_wgmma(misaligned, groups, out, *order, 0, False)
+        torch.ops.minfer.ksmm_wgmma(misaligned, groups, out, *order, 0)
     # the wrapper falls back to the reference where the kernel cannot run
     assert rel_error(ops.ksmm_wgmma(misaligned, groups, *order), expected) < TOLERANCE[torch.float16]
 

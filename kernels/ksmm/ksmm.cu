@@ -99,7 +99,7 @@ void launch_ksmm(const void* x, const void* w, void* y, int64_t tokens, int64_t 
     if (path == KsmmPath::kAuto) path = ksmm_auto_path(tokens, a, b, c, d, x, w, y);
     if (path == KsmmPath::kWgmma) {
         // A map the driver refuses after all falls back to the ring tiles (or generic): never no output.
-        if (launch_ksmm_wgmma(x, w, y, tokens, a, b, c, 1, 1, 1, 0, false, dtype, stream) == nullptr) return;
+        if (launch_ksmm_wgmma(x, w, y, tokens, a, b, c, 1, 1, 1, 0, dtype, stream) == nullptr) return;
         path = ksmm_path_supports(KsmmPath::kTensorCore, tokens, a, b, c, d, x, w, y) ? KsmmPath::kTensorCore
                                                                                         : KsmmPath::kGeneric;
     }

@@ -68,11 +68,11 @@ bool ksmm_wgmma_available();
 // x, w and y 16-byte aligned, int32 indices.
 bool ksmm_wgmma_supports(int64_t tokens, int64_t groups, int64_t b, int64_t c, const void* x, const void* w,
                          const void* y);
-// Launches it (tile_n: outputs per tile, 64, 128, 192 or 256; 0 picks by shape; direct_epilogue: stores from
-// the accumulator registers instead of through shared memory); nullptr, or why it did not run.
+// Launches it (tile_n: outputs per tile, 64, 128, 192 or 256; 0 picks by shape); nullptr, or why it did not
+// run.
 // With next_d > 1, groups*b must be a multiple of next_c*next_d.
 const char* launch_ksmm_wgmma(const void* x, const void* w, void* y, int64_t tokens, int64_t groups, int64_t b,
-                              int64_t c, int64_t d, int64_t next_c, int64_t next_d, int tile_n, bool direct_epilogue,
-                              DType dtype, cudaStream_t stream);
+                              int64_t c, int64_t d, int64_t next_c, int64_t next_d, int tile_n, DType dtype,
+                              cudaStream_t stream);
 
 }  // namespace minfer

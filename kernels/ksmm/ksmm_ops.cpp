@@ -84,7 +84,7 @@ void ksmm_gemv(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out,
 // factor's batch-major order), groups [G, b, c] (the factor, or its per-l layout), out [T, G*b] in the factor's
 // natural order (next_d == 1) or the batch-major order of a next factor with that (c, d).
 void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, int64_t d, int64_t next_c,
-                int64_t next_d, int64_t tile_n, bool direct_epilogue) {
+                int64_t next_d, int64_t tile_n) {
     const char* op = "minfer.ksmm_wgmma";
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(groups, "groups");
@@ -116,7 +116,7 @@ void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, 
     const c10::cuda::CUDAGuard guard(x.device());
     const char* error =
         minfer::launch_ksmm_wgmma(x.data_ptr(), groups.data_ptr(), out.data_ptr(), tokens, g, b, c, d, next_c, next_d,
-                                  static_cast<int>(tile_n), direct_epilogue, dtype_of(groups), current_stream());
+                                  static_cast<int>(tile_n), dtype_of(groups), current_stream());
     MINFER_CHECK(error == nullptr, op, ": ", error);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -128,8 +128,7 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("ksmm_tuned(Tensor x, Tensor factor, Tensor(a!) out, int path) -> ()");
     m.def("ksmm_gemv(Tensor x, Tensor factor, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, "
           "bool accumulate=False, bool silu_mul=False) -> ()");
-    m.def("ksmm_wgmma(Tensor x, Tensor groups, Tensor(a!) out, int d, int next_c, int next_d, int tile_n=0, "
-          "bool direct_epilogue=False) -> ()");
+    m.def("ksmm_wgmma(Tensor x, Tensor groups, Tensor(a!) out, int d, int next_c, int next_d, int tile_n=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {

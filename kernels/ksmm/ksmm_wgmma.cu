@@ -9,12 +9,12 @@
 // map [G][b][c]; both zero-filled past c and b), warpgroups 1 and 2 the consumers (64 tokens each, wgmma
 // m64nBNk16 from the 128-byte-swizzled stages, fp32 accumulators), `full` / `empty` mbarriers per stage.
 // The epilogue writes each (token, g, r) to the output order's address: the factor's natural position
-// (i*b + r)*d + l, or that position's place in the next factor's batch-major order. STAGED: 64 outputs r at a
-// time go through a padded shared buffer per consumer; at d = 1 into the natural order each thread then stores
-// 16-byte runs of a token's outputs, else a thread keeps one r (one address computation) over 32 tokens while
-// the warp's lanes take r's whose addresses are neighbours (into a batch-major order: r's of one l' of the next
-// factor, i.e. consecutive k). Direct (not STAGED): stores from the accumulator registers, 4 bytes for two
-// neighbouring r's at d = 1 into the natural order, else 2 bytes each.
+// (i*b + r)*d + l, or that position's place in the next factor's batch-major order. 64 outputs r at a time go
+// through a padded shared buffer per consumer; at d = 1 into the natural order each thread then stores 16-byte
+// runs of a token's outputs, else a thread keeps one r (one address computation) over 32 tokens while the
+// warp's lanes take r's whose addresses are neighbours (into a batch-major order: r's of one l' of the next
+// factor, i.e. consecutive k). Stores straight from the accumulator registers ran 1.2-2.7x slower on the H200
+// (docs/perf-notes.md, 2026-11-28).
 #include "common/sm90a.cuh"
 #include "dense/hgemm_common.cuh"
 #include "ksmm/ksmm.h"
@@ -61,7 +61,7 @@ struct OutputOrder {
     }
 };
 
-template <typename T, int BN, bool STAGED>
+template <typename T, int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     ksmm_wgmma_kernel(const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
                       T* __restrict__ y, int tokens, int groups, int c, int x_box_rows, OutputOrder order) {
@@ -124,66 +124,44 @@ __global__ void __launch_bounds__(kThreads, 1)
 
             // acc[4 j + {0, 1}]: token lane / 4 of this warp's 16, outputs r0 + 8 j + 2 (lane % 4) + {0, 1};
             // acc[4 j + {2, 3}]: token lane / 4 + 8, the same outputs.
-            if constexpr (STAGED) {
-                const int token_base = t.m * kBM + consumer * 64;
-                uint8_t* buf = smem_raw + (epi_base - shared_address(smem_raw)) + consumer * kEpiBytes;
-                const int row = warp * 16 + lane / 4;
+            const int token_base = t.m * kBM + consumer * 64;
+            uint8_t* buf = smem_raw + (epi_base - shared_address(smem_raw)) + consumer * kEpiBytes;
+            const int row = warp * 16 + lane / 4;
 #pragma unroll
-                for (int chunk = 0; chunk < BN / kEpiCols; ++chunk) {
-                    const int r_chunk = r0 + chunk * kEpiCols;
-                    if (r_chunk >= b) continue;  // the same for the whole warpgroup
-                    named_barrier_sync(1 + consumer, 128);  // the last chunk's reads of the buffer are done
+            for (int chunk = 0; chunk < BN / kEpiCols; ++chunk) {
+                const int r_chunk = r0 + chunk * kEpiCols;
+                if (r_chunk >= b) continue;  // the same for the whole warpgroup
+                named_barrier_sync(1 + consumer, 128);  // the last chunk's reads of the buffer are done
 #pragma unroll
-                    for (int jj = 0; jj < kEpiCols / 8; ++jj) {
-                        const int j = chunk * (kEpiCols / 8) + jj, col = 8 * jj + 2 * (lane % 4);
-                        *reinterpret_cast<uint32_t*>(buf + row * kEpiPitch + col * 2) =
-                            pack2<T>(acc[4 * j], acc[4 * j + 1]);
-                        *reinterpret_cast<uint32_t*>(buf + (row + 8) * kEpiPitch + col * 2) =
-                            pack2<T>(acc[4 * j + 2], acc[4 * j + 3]);
-                    }
-                    named_barrier_sync(1 + consumer, 128);
-                    const int t128 = threadIdx.x % 128;
-                    if (pairs) {  // 8 outputs (16 bytes) of one token a store; b % 8 == 0 keeps them whole
-#pragma unroll
-                        for (int pass = 0; pass < 64 * kEpiCols / 8 / 128; ++pass) {
-                            const int e = pass * 128 + t128, token_row = e / (kEpiCols / 8), q = e % (kEpiCols / 8);
-                            const int r = r_chunk + 8 * q, token = token_base + token_row;
-                            if (r < b && token < tokens)
-                                *reinterpret_cast<uint4*>(y + token * ldy + g * b + r) =
-                                    *reinterpret_cast<const uint4*>(buf + token_row * kEpiPitch + q * 16);
-                        }
-                    } else {  // one r a thread, tokens t128 / 64, + 2, ...; lanes on r's of neighbouring addresses
-                        const int lane64 = t128 % kEpiCols;
-                        const int r_local = grouped ? lane64 % per_slot * order.next_d + lane64 / per_slot : lane64;
-                        const int r = r_chunk + r_local;
-                        if (r < b) {
-                            T* out = y + order.column(g, r);
-                            for (int token_row = t128 / kEpiCols; token_row < 64; token_row += 128 / kEpiCols) {
-                                const int token = token_base + token_row;
-                                if (token >= tokens) break;
-                                const uint8_t* staged = buf + token_row * kEpiPitch + r_local * 2;
-                                out[token * ldy] = *reinterpret_cast<const T*>(staged);
-                            }
-                        }
-                    }
+                for (int jj = 0; jj < kEpiCols / 8; ++jj) {
+                    const int j = chunk * (kEpiCols / 8) + jj, col = 8 * jj + 2 * (lane % 4);
+                    *reinterpret_cast<uint32_t*>(buf + row * kEpiPitch + col * 2) =
+                        pack2<T>(acc[4 * j], acc[4 * j + 1]);
+                    *reinterpret_cast<uint32_t*>(buf + (row + 8) * kEpiPitch + col * 2) =
+                        pack2<T>(acc[4 * j + 2], acc[4 * j + 3]);
                 }
-            } else {
-                const int token0 = t.m * kBM + consumer * 64 + warp * 16 + lane / 4;
+                named_barrier_sync(1 + consumer, 128);
+                const int t128 = threadIdx.x % 128;
+                if (pairs) {  // 8 outputs (16 bytes) of one token a store; b % 8 == 0 keeps them whole
 #pragma unroll
-                for (int j = 0; j < BN / 8; ++j) {
-                    const int r = r0 + 8 * j + 2 * (lane % 4);
-                    if (r >= b) continue;
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int token = token0 + 8 * h;
-                        if (token >= tokens) continue;
-                        T* row = y + token * ldy;
-                        const float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-                        if (pairs) {
-                            *reinterpret_cast<uint32_t*>(row + g * b + r) = pack2<T>(v0, v1);
-                        } else {
-                            row[order.column(g, r)] = from_float<T>(v0);
-                            row[order.column(g, r + 1)] = from_float<T>(v1);  // b even: r + 1 < b
+                    for (int pass = 0; pass < 64 * kEpiCols / 8 / 128; ++pass) {
+                        const int e = pass * 128 + t128, token_row = e / (kEpiCols / 8), q = e % (kEpiCols / 8);
+                        const int r = r_chunk + 8 * q, token = token_base + token_row;
+                        if (r < b && token < tokens)
+                            *reinterpret_cast<uint4*>(y + token * ldy + g * b + r) =
+                                *reinterpret_cast<const uint4*>(buf + token_row * kEpiPitch + q * 16);
+                    }
+                } else {  // one r a thread, tokens t128 / 64, + 2, ...; lanes on r's of neighbouring addresses
+                    const int lane64 = t128 % kEpiCols;
+                    const int r_local = grouped ? lane64 % per_slot * order.next_d + lane64 / per_slot : lane64;
+                    const int r = r_chunk + r_local;
+                    if (r < b) {
+                        T* out = y + order.column(g, r);
+                        for (int token_row = t128 / kEpiCols; token_row < 64; token_row += 128 / kEpiCols) {
+                            const int token = token_base + token_row;
+                            if (token >= tokens) break;
+                            const uint8_t* staged = buf + token_row * kEpiPitch + r_local * 2;
+                            out[token * ldy] = *reinterpret_cast<const T*>(staged);
                         }
                     }
                 }
@@ -217,11 +195,11 @@ int choose_tile_n(int tokens, int groups, int b, int sms) {
     return best;
 }
 
-template <typename T, int BN, bool STAGED>
+template <typename T, int BN>
 const char* launch_tile(const void* x, const void* w, void* y, int tokens, int groups, int b, int c,
                         const OutputOrder& order, DType dtype, cudaStream_t stream) {
     using Tile = GroupTile<BN>;
-    constexpr auto kernel = ksmm_wgmma_kernel<T, BN, STAGED>;
+    constexpr auto kernel = ksmm_wgmma_kernel<T, BN>;
     if (!opt_in_shared_memory<kernel>(Tile::kSmemBytes))
         return "this GPU cannot give the KS wgmma kernel the shared memory it needs";
     // Below one tile of tokens the x boxes stop at the batch rounded up to 8 (as the dense HGEMM's do); the
@@ -247,15 +225,15 @@ const char* launch_tile(const void* x, const void* w, void* y, int tokens, int g
     return nullptr;
 }
 
-template <typename T, bool STAGED>
+template <typename T>
 const char* launch_typed(const void* x, const void* w, void* y, int tokens, int groups, int b, int c,
                          const OutputOrder& order, int tile_n, DType dtype, cudaStream_t stream) {
     if (tile_n == 0) tile_n = choose_tile_n(tokens, groups, b, multiprocessors(current_device()));
     switch (tile_n) {
-        case 64: return launch_tile<T, 64, STAGED>(x, w, y, tokens, groups, b, c, order, dtype, stream);
-        case 128: return launch_tile<T, 128, STAGED>(x, w, y, tokens, groups, b, c, order, dtype, stream);
-        case 192: return launch_tile<T, 192, STAGED>(x, w, y, tokens, groups, b, c, order, dtype, stream);
-        case 256: return launch_tile<T, 256, STAGED>(x, w, y, tokens, groups, b, c, order, dtype, stream);
+        case 64: return launch_tile<T, 64>(x, w, y, tokens, groups, b, c, order, dtype, stream);
+        case 128: return launch_tile<T, 128>(x, w, y, tokens, groups, b, c, order, dtype, stream);
+        case 192: return launch_tile<T, 192>(x, w, y, tokens, groups, b, c, order, dtype, stream);
+        case 256: return launch_tile<T, 256>(x, w, y, tokens, groups, b, c, order, dtype, stream);
         default: return "the KS wgmma tile is 64, 128, 192 or 256 outputs wide (0: by shape)";
     }
 }
@@ -264,7 +242,7 @@ bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 }  // namespace
 
-bool ksmm_wgmma_available() { return sm90a_kernel_available<ksmm_wgmma_kernel<half, 256, true>>(); }
+bool ksmm_wgmma_available() { return sm90a_kernel_available<ksmm_wgmma_kernel<half, 256>>(); }
 
 bool ksmm_wgmma_supports(int64_t tokens, int64_t groups, int64_t b, int64_t c, const void* x, const void* w,
                          const void* y) {
@@ -275,21 +253,17 @@ bool ksmm_wgmma_supports(int64_t tokens, int64_t groups, int64_t b, int64_t c, c
 }
 
 const char* launch_ksmm_wgmma(const void* x, const void* w, void* y, int64_t tokens, int64_t groups, int64_t b,
-                              int64_t c, int64_t d, int64_t next_c, int64_t next_d, int tile_n, bool direct_epilogue,
-                              DType dtype, cudaStream_t stream) {
+                              int64_t c, int64_t d, int64_t next_c, int64_t next_d, int tile_n, DType dtype,
+                              cudaStream_t stream) {
     if (!ksmm_wgmma_supports(tokens, groups, b, c, x, w, y))
         return "the KS wgmma kernel cannot run this factor (ksmm_wgmma_supports)";
     const OutputOrder order{static_cast<int>(b), static_cast<int>(d), static_cast<int>(next_c),
                             static_cast<int>(next_d)};
     switch (dtype) {
         case DType::kFloat16:
-            return direct_epilogue
-                       ? launch_typed<half, false>(x, w, y, tokens, groups, b, c, order, tile_n, dtype, stream)
-                       : launch_typed<half, true>(x, w, y, tokens, groups, b, c, order, tile_n, dtype, stream);
+            return launch_typed<half>(x, w, y, tokens, groups, b, c, order, tile_n, dtype, stream);
         case DType::kBFloat16:
-            return direct_epilogue
-                       ? launch_typed<__nv_bfloat16, false>(x, w, y, tokens, groups, b, c, order, tile_n, dtype, stream)
-                       : launch_typed<__nv_bfloat16, true>(x, w, y, tokens, groups, b, c, order, tile_n, dtype, stream);
+            return launch_typed<__nv_bfloat16>(x, w, y, tokens, groups, b, c, order, tile_n, dtype, stream);
         default: return "the KS wgmma kernel takes float16 or bfloat16";
     }
 }

@@ -12,10 +12,10 @@ tokens. A case whose x, y or factor would pass MAX_CASE_BYTES is left out. Basel
 A case is a win when minfer is at least WIN_SPEEDUP times faster than the best baseline. At B = 1 the
 kernel's GB/s (factor, x and y bytes) is given against the copy rate.
 End to end: the random-weight model dense and with monarch-50 chains on all 7 projections, on minfer's kernels:
-decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time; on sm_90 once more
-with the chains' prefill on the wgmma kernel (ops.ksmm_wgmma_from(WGMMA_MIN_TOKENS)).
+decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time (on sm_90 the chains'
+prefill runs the wgmma kernel); on sm_90 once more with the prefill on the ring tiles (ops.ksmm_wgmma_from(None)).
 wgmma (sm_90): the factors of Llama-2-7B's monarch-50 chains at WGMMA_BATCHES tokens on the wgmma kernel, each
-tile width and both epilogues, a d = 1 factor also into its chain's next factor's batch-major order (a d > 1
+tile width, a d = 1 factor also into its chain's next factor's batch-major order (a d > 1
 factor reads its input in that order), against the mma.sync ring tiles and the best torch baseline; the per-l
 copy of a d > 1 factor's W; and the ring tiles against wgmma at small batches, for the threshold.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -49,7 +50,6 @@ BASELINES = ("dense", "einsum", "bmm")
 KS_PRESET = "monarch-50"
 WGMMA_BATCHES = (512, 4096)
 WGMMA_THRESHOLD_BATCHES = (17, 32, 64, 128, 256)
-WGMMA_MIN_TOKENS = 64  # the prefill switch the wgmma end-to-end row sets (minfer/ops/ksmm.py)
 
 COLUMNS = {
     "grid": [report.Column(*c) for c in [
@@ -70,8 +70,7 @@ COLUMNS = {
     "wgmma": [report.Column(*c) for c in [
         ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("wgmma_us", "wgmma us", "{:.1f}"),
         ("tflops", "TFLOP/s", "{:.0f}"), ("tiles", "us by tile 64/128/192/256"),
-        ("direct_us", "direct epi us", "{:.1f}"),
-        ("chain_us", "into next's order us (direct)"), ("ring_us", "ring tiles us", "{:.1f}"),
+        ("chain_us", "into next's order us", "{:.1f}"), ("ring_us", "ring tiles us", "{:.1f}"),
         ("best_us", "best torch us", "{:.1f}"), ("best", "best torch"), ("speedup", "vs best", "{:.2f}x"),
         ("copy_us", "per-l W copy us", "{:.1f}"), ("max_err", "max rel err", "{:.1e}")]],
 }
@@ -149,7 +148,7 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
 
 def wgmma_runs() -> bool:
     """Whether this GPU runs the wgmma kernel (an sm_90 part)."""
-    return ops.ksmm_kernel_takes("wgmma", (1, 64, 64, 1), WGMMA_MIN_TOKENS)
+    return ops.ksmm_kernel_takes("wgmma", (1, 64, 64, 1), 512)
 
 
 def wgmma_operands(pattern: Pattern, tokens: int, dtype: torch.dtype) -> tuple[int, list, list, list, list]:
@@ -182,11 +181,9 @@ def wgmma_case(pattern: Pattern, following: Pattern | None, tokens: int, dtype: 
     row = {"pattern": str(pattern), "tokens": tokens, "wgmma_us": 1e3 * timed(1, 1)}
     row["tflops"] = 2 * tokens * a * b * c * d / (row["wgmma_us"] * 1e-6) / 1e12
     row["tiles"] = " / ".join(f"{1e3 * timed(1, 1, tile_n=tile):.1f}" for tile in ops.KSMM_WGMMA_TILES if tile)
-    row["direct_us"] = 1e3 * timed(1, 1, direct_epilogue=True)
     if following is not None:
         _, _, next_c, next_d = following
-        row["chain_us"] = (f"{1e3 * timed(next_c, next_d):.1f} "
-                           f"({1e3 * timed(next_c, next_d, direct_epilogue=True):.1f})")
+        row["chain_us"] = 1e3 * timed(next_c, next_d)
     row["ring_us"] = 1e3 * time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="tensor-core"),
                                       copies, reps)
     baseline = time_case(pattern, tokens, dtype, reps, copy_gbs=1.0)
@@ -270,14 +267,13 @@ def e2e_rows(model_name: str, prompt_tokens: int, new_tokens: int, dtype: torch.
         return factorize
 
     rows = []
-    variants = [("dense", None), (KS_PRESET, None)]
+    variants = [("dense", "dense", nullcontext()), (KS_PRESET, KS_PRESET, nullcontext())]
     if wgmma_runs():
-        variants.append((KS_PRESET, WGMMA_MIN_TOKENS))
-    for projections, wgmma_from in variants:
-        with ops.ksmm_wgmma_from(wgmma_from):
+        variants.append((KS_PRESET, f"{KS_PRESET}, ring-tile prefill", ops.ksmm_wgmma_from(None)))
+    for projections, label, prefill_path in variants:
+        with prefill_path:
             stats = e2e_suite.measure_format(model_name, dtype, prepare(projections), prompt_tokens, new_tokens,
                                              embedding)
-        label = projections if wgmma_from is None else f"{projections}, wgmma prefill"
         rows.append({"model": model_name, "format": label, **stats})
         on_row(rows[-1])
     dense = rows[0]

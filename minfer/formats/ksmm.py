@@ -9,8 +9,8 @@ the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
 On a GPU under minfer's kernels, forward runs one fused kernel per factor (ops.ksmm, kernels/ksmm: the
 stride-d gather and scatter in place, fp32 sums) for fp16/bf16 chains, the intermediates rounded to that
 dtype between factors; elsewhere it is the pure-PyTorch reference (one einsum per factor, fp32 intermediates).
-From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS tokens (ops.ksmm_wgmma_batch; off until the kernel has run on a
-GPU) on an sm_90 GPU, the chain's d = 1 factors run the wgmma kernel (ops.ksmm_wgmma), and so does a d > 1
+From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS (17) tokens (ops.ksmm_wgmma_batch) on an sm_90 GPU, the chain's
+d = 1 factors run the wgmma kernel (ops.ksmm_wgmma), and so does a d > 1
 factor that follows one: the factor before it writes its output in this factor's batch-major order
 (ops.to_batch_major), and the factor reads its W in the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy
 built at the first such prefill and counted in nbytes.
@@ -88,6 +88,7 @@ class KSWeight(WeightFormat):
         self.factor_count = len(factors)
         # factor index -> (the factor's device, data_ptr and version it was built from, its per-l layout)
         self._wgmma_groups: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self._steps: tuple[tuple, list] | None = None  # prefill_steps' (key, steps)
 
     @property
     def factors(self) -> list[torch.Tensor]:
@@ -134,6 +135,20 @@ class KSWeight(WeightFormat):
             next_c, next_d = patterns[index + 1][2:] if following else (1, 1)
             plan.append((d, next_c, next_d) if on[index] else None)
         return plan
+
+    def prefill_steps(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int, int] | None]]:
+        """What forward runs per factor on `flat`: (factor, None) for ops.ksmm, or (groups, order) for the wgmma
+        kernel (wgmma_plan, wgmma_groups). Cached per kind of input (wgmma batch or not, device, dtype, 16-byte
+        alignment) and the factors' storage and versions: built per call, it cost a 512-token prefill more host
+        time than its factors take on the GPU (docs/perf-notes.md, 2026-11-28)."""
+        factors = self.factors
+        key = (ops.ksmm_wgmma_batch(flat.shape[0]), flat.device, flat.dtype, flat.data_ptr() % 16 == 0,
+               tuple((factor.data_ptr(), factor._version) for factor in factors))
+        if self._steps is None or self._steps[0] != key:
+            steps = [(factor, None) if order is None else (self.wgmma_groups(index), order)
+                     for index, (factor, order) in enumerate(zip(factors, self.wgmma_plan(flat)))]
+            self._steps = (key, steps)
+        return self._steps[1]
 
     @classmethod
     def from_factors(cls, factors: Sequence[torch.Tensor]) -> KSWeight:
@@ -196,9 +211,8 @@ class KSWeight(WeightFormat):
         flat = x.reshape(-1, self.in_features)
         if ops.use_kernels(flat) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES:
             flat = flat.contiguous()
-            for index, (factor, order) in enumerate(zip(self.factors, self.wgmma_plan(flat))):
-                flat = ops.ksmm(flat, factor) if order is None else ops.ksmm_wgmma(flat, self.wgmma_groups(index),
-                                                                                    *order)
+            for weights, order in self.prefill_steps(flat):
+                flat = ops.ksmm(flat, weights) if order is None else ops.ksmm_wgmma_planned(flat, weights, *order)
             return flat.reshape(*x.shape[:-1], self.out_features)
         compute = torch.promote_types(x.dtype, torch.float32)
         return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

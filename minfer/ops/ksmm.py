@@ -15,8 +15,9 @@ from .runtime import fake_impl, use_kernels
 KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwidth paths' batch (gemv, rows)
 KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
 # From this many tokens ksmm and a KS chain's prefill run the wgmma kernel where it takes a factor; None: never.
-# Off until the kernel has run on a GPU (docs/perf-notes.md, 2026-11-28, KS fourth round); 64 is the planned value.
-KSMM_WGMMA_MIN_TOKENS: int | None = None
+# 17, where the gemv path stops: the H200 timed wgmma 2.1-2.7x the ring tiles from 17 to 256 tokens on the
+# monarch-50 factors (docs/perf-notes.md, 2026-11-28).
+KSMM_WGMMA_MIN_TOKENS: int | None = 17
 KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
 KSMM_WGMMA_TILES = (0, 64, 128, 192, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
@@ -247,7 +248,7 @@ def ksmm_wgmma_reference(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next
 
 
 @fake_impl("minfer::ksmm_wgmma")
-def _ksmm_wgmma_fake(x, groups, out, d, next_c, next_d, tile_n=0, direct_epilogue=False):
+def _ksmm_wgmma_fake(x, groups, out, d, next_c, next_d, tile_n=0):
     return None
 
 
@@ -258,13 +259,21 @@ def ksmm_wgmma_takes(x: torch.Tensor) -> bool:
             and _is_sm90(x.get_device()))
 
 
+def ksmm_wgmma_planned(x: torch.Tensor, groups: torch.Tensor, d: int, next_c: int, next_d: int) -> torch.Tensor:
+    """ksmm_wgmma's kernel without its Python checks, for a KS chain's cached plan (KSWeight.prefill_steps), which
+    asked ksmm_wgmma_takes and ksmm_wgmma_shape once: x and groups are what the kernel takes (its binding still
+    checks shapes and dtypes)."""
+    out = x.new_empty(x.shape[0], groups.shape[0] * groups.shape[1])
+    torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, 0)
+    return out
+
+
 def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 1, next_d: int = 1,
-               out: torch.Tensor | None = None, *, tile_n: int = 0, direct_epilogue: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, tile_n: int = 0) -> torch.Tensor:
     """A factor as groups of GEMMs (ksmm_wgmma_reference): x [T, G·c] (a d > 1 factor's input in its batch-major
     order, to_batch_major), groups [G, b, c] (ksmm_groups), out [T, G·b] in the factor's natural order, or with
     next_d > 1 in the next factor's batch-major order. The sm_90a wgmma kernel where ksmm_wgmma_takes (tile_n:
-    one of KSMM_WGMMA_TILES, and direct_epilogue, stores from the accumulator registers instead of through shared
-    memory, for benchmarks), the reference elsewhere."""
+    one of KSMM_WGMMA_TILES, for benchmarks), the reference elsewhere."""
     if groups.dim() != 3 or x.dim() != 2 or x.shape[1] != groups.shape[0] * groups.shape[2]:
         raise FormatError(f"ksmm_wgmma takes x [T, G·c] and groups [G, b, c], got x {tuple(x.shape)} and groups "
                           f"{tuple(groups.shape)}")
@@ -281,7 +290,7 @@ def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 
     kernel = (ksmm_wgmma_takes(x) and ksmm_wgmma_shape(b, groups.shape[2]) and groups.dtype == x.dtype
               and groups.is_contiguous() and groups.data_ptr() % 16 == 0)
     if kernel and x.shape[0] > 0:
-        torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n, direct_epilogue)
+        torch.ops.minfer.ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n)
     else:
         out.copy_(ksmm_wgmma_reference(x, groups, d, next_c, next_d))
     return out
