@@ -4,13 +4,12 @@ kernel per factor, reading x with the stride-d gather and writing y with the str
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import FormatError
-from .runtime import fake_impl, use_kernels
+from .runtime import fake_impl, is_sm90, use_kernels
 
 KSMM_ROWS_MAX_TOKENS = 16  # kernels/ksmm/ksmm.h, kKsmmRowsMaxTokens: the bandwidth paths' batch (gemv, rows)
 KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
@@ -25,19 +24,13 @@ KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4, "
 KSMM_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    # Cached: asked for every factor of a prefill.
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def ksmm_wgmma_shape(b: int, c: int) -> bool:
     """Whether the wgmma kernel takes a factor's (or a group's) b and c: multiples of KSMM_WGMMA_MULTIPLE."""
     return b >= 1 and c >= 1 and b % KSMM_WGMMA_MULTIPLE == 0 and c % KSMM_WGMMA_MULTIPLE == 0
 
 
 def _on_sm90() -> bool:
-    return torch.cuda.is_available() and _is_sm90(torch.cuda.current_device())
+    return torch.cuda.is_available() and is_sm90(torch.cuda.current_device())
 
 
 def ksmm_kernel_takes(path: str, pattern: tuple[int, int, int, int], tokens: int) -> bool:
@@ -256,7 +249,7 @@ def ksmm_wgmma_takes(x: torch.Tensor) -> bool:
     """Whether the wgmma kernel runs on x: minfer's kernels on an sm_90 GPU, fp16/bf16 x contiguous and 16-byte
     aligned (the groups must be too, in x's dtype, with b and c that pass ksmm_wgmma_shape)."""
     return (use_kernels(x) and x.dtype in KSMM_DTYPES and x.is_contiguous() and x.data_ptr() % 16 == 0
-            and _is_sm90(x.get_device()))
+            and is_sm90(x.get_device()))
 
 
 def ksmm_wgmma_planned(x: torch.Tensor, groups: torch.Tensor, d: int, next_c: int, next_d: int) -> torch.Tensor:

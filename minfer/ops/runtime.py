@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import os
 import re
@@ -74,6 +75,13 @@ def _kernels_selected() -> bool:
         raise KernelBuildError("minfer's kernels are not loaded: call minfer.ops.build() first (the engine does "
                                "when a model is set up on a GPU; `python -m minfer.ops --build` compiles them ahead)")
     return True
+
+
+@functools.cache
+def is_sm90(device_index: int) -> bool:
+    """Whether GPU `device_index` is an sm_90 part (the wgmma kernels' target); cached, since prefill asks per
+    projection."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def use_kernels(t: torch.Tensor) -> bool:

@@ -5,13 +5,12 @@ the same metadata in its own order (`sparse24_gemm_metadata`); docs/FORMATS.md g
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from ..errors import FormatError
 from .dense import linear_reference
-from .runtime import fake_impl, use_kernels
+from .runtime import fake_impl, is_sm90, use_kernels
 
 SPARSE24_CHUNK_COLS = 32  # kernels/sparse24/sparse24.h, kSparse24ChunkCols: the columns of one metadata word
 SPARSE24_GEMV_MAX_TOKENS = 16  # kernels/sparse24/sparse24.h, kSparse24MaxTokens: two n = 8 mma tiles
@@ -144,17 +143,11 @@ def sparse24_gemm_reference(x: torch.Tensor, values: torch.Tensor, gemm_meta: to
     return linear_reference(x, sparse24_decompress_reference(values, meta, k))
 
 
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    # Cached: asked twice per projection in prefill.
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def sparse24_gemm_takes(x: torch.Tensor, rows: int, cols: int) -> bool:
     """Whether `sparse24_gemm` runs the sm_90 kernel for x on an [rows, cols] matrix: minfer's kernels on an
     sm_90 GPU, 16-bit x, cols % 64 == 0 and rows % 8 == 0."""
     return (use_kernels(x) and x.dtype in (torch.float16, torch.bfloat16) and cols % SPARSE24_GEMM_K_MULTIPLE == 0
-            and rows % 8 == 0 and _is_sm90(x.get_device()))
+            and rows % 8 == 0 and is_sm90(x.get_device()))
 
 
 SPARSE24_GEMM_TILES = ("auto", "128x128", "128x256", "256x128")  # weight rows x tokens (sparse24_ops.cpp)
