@@ -292,14 +292,17 @@ def test_wgmma_refusals_and_cpu_plan():
         assert ops.ksmm_wgmma_batch(64) and not ops.ksmm_wgmma_batch(63)
     with ops.ksmm_wgmma_from(None):
         assert not ops.ksmm_wgmma_batch(1 << 20)
+    # a gather into the batch-major order pays for large groups only
+    assert ops.ksmm_wgmma_gathers(256, 1024) and ops.ksmm_wgmma_gathers(2048, 512)
+    assert not ops.ksmm_wgmma_gathers(256, 256) and not ops.ksmm_wgmma_gathers(260, 1024)
 
 
 def test_prefill_steps_are_cached_per_kind_of_input_and_rebuilt_when_a_factor_changes():
     chain = KSWeight.from_factors(random_factors([(4, 64, 64, 1), (1, 64, 64, 4)], torch.float16))
     x = torch.randn(300, 256, dtype=torch.float16)
     steps = chain.prefill_steps(x)
-    assert [order for _, order in steps] == [None, None]  # no kernels on the CPU: ops.ksmm for every factor
-    assert all(weights is factor for (weights, _), factor in zip(steps, chain.factors))
+    assert [step[1:] for step in steps] == [(None, None)] * 2  # no kernels on the CPU: ops.ksmm for every factor
+    assert all(weights is factor for (weights, _, _), factor in zip(steps, chain.factors))
     assert chain.prefill_steps(torch.randn(300, 256, dtype=torch.float16)) is steps
     assert chain.prefill_steps(torch.randn(3, 256, dtype=torch.float16)) is not steps  # not a wgmma batch
     steps = chain.prefill_steps(x)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minfer import ops
+from minfer.ops import ksmm as ksmm_ops
 from minfer.formats.ksmm import KSWeight
 from minfer.sparsity.factorize import monarch_chain
 from tests.conftest import requires_cuda
@@ -215,15 +216,22 @@ def test_wgmma_refusals_and_opcheck():
 
 
 @requires_sm90
-@pytest.mark.parametrize("patterns, plan", [
-    ([(4, 64, 64, 1), (1, 64, 64, 4)], [True, True]),  # monarch-50's order: d = 4 reads batch-major
-    ([(1, 64, 64, 4), (4, 64, 64, 1)], [False, True]),  # d > 1 first: the ring tiles, then wgmma
-    ([(2, 40, 64, 1), (1, 80, 40, 2), (2, 40, 80, 1)], [True, True, True]),
-    ([(4, 36, 64, 1), (1, 72, 72, 2)], [False, False]),  # b = 36: the ring tiles for both
+@pytest.mark.parametrize("patterns, gather, plan", [
+    ([(4, 64, 64, 1), (1, 64, 64, 4)], False, [True, True]),  # monarch-50's order: d = 4 reads batch-major
+    ([(1, 64, 64, 4), (4, 64, 64, 1)], False, [False, True]),  # d > 1 first, a small group: ring tiles, then wgmma
+    ([(2, 40, 64, 1), (1, 80, 40, 2), (2, 40, 80, 1)], False, [True, True, True]),
+    ([(4, 36, 64, 1), (1, 72, 72, 2)], False, [False, False]),  # b = 36: the ring tiles for both
+    # gathers from 64 weights a group: d > 1 first, after a factor on the ring tiles, alone
+    ([(1, 64, 64, 4), (4, 64, 64, 1)], True, [True, True]),
+    ([(4, 36, 64, 1), (1, 72, 72, 2)], True, [False, True]),
+    ([(2, 48, 40, 8)], True, [True]),
+    ([(2, 44, 40, 8)], True, [False]),  # b = 44: the ring tiles
 ], ids=str)
-def test_chain_prefill_on_wgmma(patterns, plan):
+def test_chain_prefill_on_wgmma(patterns, plan, gather, monkeypatch):
     """The format's prefill: which factors run the wgmma kernel, the result against float64, the per-l copies
     counted in nbytes once built, and a captured prefill reading a new input."""
+    if gather:
+        monkeypatch.setattr(ksmm_ops, "KSMM_WGMMA_GATHER_MIN_GROUP", 64)
     generator = torch.Generator().manual_seed(5)
     chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
                                    for p in patterns])

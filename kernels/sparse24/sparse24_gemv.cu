@@ -8,8 +8,8 @@
 // 64 contiguous bytes of a row (whole 32-byte sectors), with the two metadata words those pieces need
 // and the matching 16 words of token g's x (tokens 8..15: a second mma tile). Group j of the lane's
 // pieces is one m16n8k16: its slots 0,1 are the lane's k slots 2t, 2t+1 and its slots 2,3 the k slots
-// 2t+8, 2t+9, for A and B alike. The next step's loads are in flight while a step multiplies; the warps'
-// partials are reduced in shared memory in a fixed order.
+// 2t+8, 2t+9, for A and B alike. The next step's loads (at 9-16 tokens its weights only) are in flight while
+// a step multiplies; the warps' partials are reduced in shared memory in a fixed order.
 // Fusions (launch.h) as in the dense GEMV: g * x rounded to the dtype feeds the mmas and the per-token
 // RMS scale is applied in the epilogue; the residual is read before the main loop and added there.
 // 1-4 tokens with the norm fused (and no residual) take a persistent kernel that stages g * x in shared
@@ -163,18 +163,11 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
     }
 }
 
-// One warp step held in registers between load and multiply: its weights and its x (the next step's are
-// loaded while this one multiplies).
-template <typename T, int kTiles, bool kNorm>
-struct WarpStep {
-    StepWeights w;
-    StepX<T, kTiles, kNorm> x;
-};
-
-// One token tile is held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight; two
-// tiles take what they need (1 block).
+// Held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight. The next step's weights
+// are loaded while a step multiplies; so is its x with one token tile, while two tiles (9-16 tokens) load a
+// step's x just before its multiplies, which keeps them within the 128 registers.
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
+__global__ void __launch_bounds__(kWarps * 32, 2)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
                          float eps, bool accumulate) {
@@ -201,9 +194,11 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
     arrays.chunks = chunks;
 
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    using Step = WarpStep<T, kTiles, kNorm>;
-    Step current;
-    if (warp < steps) current.w.load(arrays, warp, t);
+    constexpr bool kXAhead = kTiles == 1;
+    using StepXs = StepX<T, kTiles, kNorm>;
+    StepWeights w_now;
+    StepXs x_now;
+    if (warp < steps) w_now.load(arrays, warp, t);
     wait_for_previous_kernel();
     // The residual is read here, so its round trip overlaps the multiplies (warp 0 writes the outputs).
     float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
@@ -218,19 +213,22 @@ __global__ void __launch_bounds__(kWarps * 32, kTiles == 1 ? 2 : 1)
                 if (token < tokens && row + 8 < n) residual[tile][j][1] = to_float(out[lo + 8]);
             }
     }
-    if (warp < steps) current.x.load(arrays, warp, t);
+    if (kXAhead && warp < steps) x_now.load(arrays, warp, t);
 
     float acc[kTiles][2][4] = {};
     float sum_sq[kTiles] = {};
     for (int step = warp; step < steps; step += kWarps) {
-        Step next;
+        StepWeights w_next;
+        StepXs x_next;
         if (step + kWarps < steps) {
-            next.w.load(arrays, step + kWarps, t);
-            next.x.load(arrays, step + kWarps, t);
+            w_next.load(arrays, step + kWarps, t);
+            if constexpr (kXAhead) x_next.load(arrays, step + kWarps, t);
         }
-        if constexpr (kNorm) current.x.apply_norm(sum_sq);
-        multiply_step<T, kTiles, kNorm>(current.w, current.x, t, acc);
-        current = next;
+        if constexpr (!kXAhead) x_now.load(arrays, step, t);
+        if constexpr (kNorm) x_now.apply_norm(sum_sq);
+        multiply_step<T, kTiles, kNorm>(w_now, x_now, t, acc);
+        w_now = w_next;
+        if constexpr (kXAhead) x_now = x_next;
     }
 
     float c[kTiles][4];

@@ -9,7 +9,9 @@ tokens. A case whose x, y or factor would pass MAX_CASE_BYTES is left out. Basel
 - einsum: torch.einsum("nikl,ijkl->nijl") on the views (torch picks its own permutations);
 - bmm: x permuted to (a·d, B, c), one bmm against the factor stored pre-permuted as (a·d, c, b), y permuted
   back: the seed's bmm algorithm with both permutation copies timed.
-A case is a win when minfer is at least WIN_SPEEDUP times faster than the best baseline. At B = 1 the
+minfer is a one-factor KS weight's forward (on the wgmma kernel a d > 1 factor reads its per-l W copy, built
+at the warm-up, and gathers x into its batch-major order first). A case is a win when minfer is at least
+WIN_SPEEDUP times faster than the best baseline. At B = 1 the
 kernel's GB/s (factor, x and y bytes) is given against the copy rate.
 End to end: the random-weight model dense and with monarch-50 chains on all 7 projections, on minfer's kernels:
 decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time (on sm_90 the chains'
@@ -32,7 +34,7 @@ import torch
 
 from .. import ops
 from ..errors import MinferError
-from ..formats.ksmm import Pattern
+from ..formats.ksmm import KSWeight, Pattern
 from ..sparsity.factorize import monarch_chain, random_chains
 from . import e2e_suite, report
 from .suites import Suite, SuiteRun, register
@@ -119,9 +121,11 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     factors = [(torch.randn(pattern, device="cuda") / c**0.5).to(dtype) for _ in range(copies)]
     xs = [torch.randn(tokens, a * c * d, device="cuda").to(dtype) for _ in range(copies)]
     out = torch.empty(tokens, a * b * d, device="cuda", dtype=dtype)
-    row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20,
-           "path": ops.ksmm_path(pattern, tokens)}
-    row["minfer_ms"] = time_graph(lambda i: ops.ksmm(xs[i], factors[i], out), copies, reps)
+    layers = [KSWeight.from_factors([factor]) for factor in factors]  # what a KS projection runs
+    plan = layers[0].wgmma_plan(xs[0])[0]
+    path = ops.ksmm_path(pattern, tokens) if plan is None else "wgmma, x gathered" if plan[3] else "wgmma"
+    row = {"pattern": str(pattern), "tokens": tokens, "factor_mb": factor_bytes / 2**20, "path": path}
+    row["minfer_ms"] = time_graph(lambda i: layers[i](xs[i]), copies, reps)
     # the CUDA-core rows kernel where gemv is the auto choice (2..16 tokens): the evidence for that choice
     row["rows_ms"] = (time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="rows"), copies, reps)
                       if row["path"] == "gemv" and ops.ksmm_kernel_takes("rows", pattern, tokens) else None)

@@ -10,10 +10,10 @@ On a GPU under minfer's kernels, forward runs one fused kernel per factor (ops.k
 stride-d gather and scatter in place, fp32 sums) for fp16/bf16 chains, the intermediates rounded to that
 dtype between factors; elsewhere it is the pure-PyTorch reference (one einsum per factor, fp32 intermediates).
 From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS (17) tokens (ops.ksmm_wgmma_batch) on an sm_90 GPU, the chain's
-d = 1 factors run the wgmma kernel (ops.ksmm_wgmma), and so does a d > 1
-factor that follows one: the factor before it writes its output in this factor's batch-major order
-(ops.to_batch_major), and the factor reads its W in the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy
-built at the first such prefill and counted in nbytes.
+factors whose b and c the wgmma kernel takes run it (ops.ksmm_wgmma). A d > 1 factor reads x in its
+batch-major order (ops.to_batch_major), which the factor before it writes when that one runs the kernel too,
+and which is gathered by a copy otherwise (large groups only: ops.ksmm_wgmma_gathers); it reads its W in
+the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy built at the first such prefill and counted in nbytes.
 The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
 to a whole model, and this package must not import that one.
 """
@@ -118,35 +118,47 @@ class KSWeight(WeightFormat):
         copies = (groups for _, groups in self._wgmma_groups.values())
         return super().nbytes + sum(groups.numel() * groups.element_size() for groups in copies)
 
-    def wgmma_plan(self, flat: torch.Tensor) -> list[tuple[int, int, int] | None]:
+    def wgmma_plan(self, flat: torch.Tensor) -> list[tuple[int, int, int, bool] | None]:
         """Per factor, for the chain input `flat`: None where the factor runs ops.ksmm, else the (d, next_c,
-        next_d) it runs ops.ksmm_wgmma with. For batches ops.ksmm_wgmma_batch takes, the wgmma kernel runs the
-        d = 1 factors of its shapes, and a d > 1 factor right after one that runs it, which then writes this
-        one's batch-major order (next_c, next_d); otherwise a factor writes its natural order (1, 1)."""
+        next_d, gather) it runs ops.ksmm_wgmma with. For batches ops.ksmm_wgmma_batch takes, the wgmma kernel
+        runs the factors of its shapes (a d = 1 factor when 16-byte aligned). A factor followed by a d > 1 one
+        that runs the kernel writes that one's batch-major order (next_c, next_d), otherwise its natural order
+        (1, 1); `gather`: a d > 1 factor whose input is in the natural order (the chain's first, or after a
+        factor on ops.ksmm) has it copied into its batch-major order first, where that pays
+        (ops.ksmm_wgmma_gathers)."""
         runs = ops.ksmm_wgmma_batch(flat.shape[0]) and ops.ksmm_wgmma_takes(flat)
         patterns = self.patterns
         on: list[bool] = []
         for factor, (_, b, c, d) in zip(self.factors, patterns):
-            ready = factor.data_ptr() % 16 == 0 if d == 1 else bool(on) and on[-1]  # d > 1: batch-major x
-            on.append(runs and ops.ksmm_wgmma_shape(b, c) and ready)
-        plan: list[tuple[int, int, int] | None] = []
+            gather = d > 1 and not (on and on[-1])
+            takes = ops.ksmm_wgmma_gathers(b, c) if gather else ops.ksmm_wgmma_shape(b, c)
+            on.append(runs and takes and (d > 1 or factor.data_ptr() % 16 == 0))
+        plan: list[tuple[int, int, int, bool] | None] = []
         for index, (_, _, _, d) in enumerate(patterns):
             following = index + 1 < len(on) and on[index + 1] and patterns[index + 1][3] > 1
             next_c, next_d = patterns[index + 1][2:] if following else (1, 1)
-            plan.append((d, next_c, next_d) if on[index] else None)
+            gather = d > 1 and not (index > 0 and on[index - 1])
+            plan.append((d, next_c, next_d, gather) if on[index] else None)
         return plan
 
-    def prefill_steps(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int, int] | None]]:
-        """What forward runs per factor on `flat`: (factor, None) for ops.ksmm, or (groups, order) for the wgmma
-        kernel (wgmma_plan, wgmma_groups). Cached per kind of input (wgmma batch or not, device, dtype, 16-byte
+    def prefill_steps(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int, int] | None,
+                                                              tuple[int, int] | None]]:
+        """What forward runs per factor on `flat`: (factor, None, None) for ops.ksmm, or (groups, order,
+        gather) for the wgmma kernel (wgmma_plan, wgmma_groups), gather the (c, d) whose batch-major order x is
+        copied into first, or None. Cached per kind of input (wgmma batch or not, device, dtype, 16-byte
         alignment) and the factors' storage and versions: built per call, it cost a 512-token prefill more host
         time than its factors take on the GPU (docs/perf-notes.md, 2026-11-28)."""
         factors = self.factors
         key = (ops.ksmm_wgmma_batch(flat.shape[0]), flat.device, flat.dtype, flat.data_ptr() % 16 == 0,
                tuple((factor.data_ptr(), factor._version) for factor in factors))
         if self._steps is None or self._steps[0] != key:
-            steps = [(factor, None) if order is None else (self.wgmma_groups(index), order)
-                     for index, (factor, order) in enumerate(zip(factors, self.wgmma_plan(flat)))]
+            steps = []
+            for index, (factor, plan) in enumerate(zip(factors, self.wgmma_plan(flat))):
+                if plan is None:
+                    steps.append((factor, None, None))
+                    continue
+                *order, gather = plan
+                steps.append((self.wgmma_groups(index), tuple(order), tuple(factor.shape[2:]) if gather else None))
             self._steps = (key, steps)
         return self._steps[1]
 
@@ -211,8 +223,13 @@ class KSWeight(WeightFormat):
         flat = x.reshape(-1, self.in_features)
         if ops.use_kernels(flat) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES:
             flat = flat.contiguous()
-            for weights, order in self.prefill_steps(flat):
-                flat = ops.ksmm(flat, weights) if order is None else ops.ksmm_wgmma_planned(flat, weights, *order)
+            for weights, order, gather in self.prefill_steps(flat):
+                if order is None:
+                    flat = ops.ksmm(flat, weights)
+                    continue
+                if gather is not None:
+                    flat = ops.to_batch_major(flat, *gather).contiguous()
+                flat = ops.ksmm_wgmma_planned(flat, weights, *order)
             return flat.reshape(*x.shape[:-1], self.out_features)
         compute = torch.promote_types(x.dtype, torch.float32)
         return self._apply_chain(flat.to(compute), compute).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

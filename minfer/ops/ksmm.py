@@ -18,6 +18,10 @@ KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
 # monarch-50 factors (docs/perf-notes.md, 2026-11-28).
 KSMM_WGMMA_MIN_TOKENS: int | None = 17
 KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
+# A d > 1 factor whose x must first be gathered into its batch-major order runs the wgmma kernel from this
+# many weights per group (b·c): the H200 grid timed gather + wgmma 1.0-3.2x the ring tiles from 256 x 1024 on and
+# 0.3-0.9x below (docs/perf-notes.md, 2026-11-28).
+KSMM_WGMMA_GATHER_MIN_GROUP = 256 * 1024
 KSMM_WGMMA_TILES = (0, 64, 128, 192, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
 KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4, "wgmma": 5}
@@ -27,6 +31,12 @@ KSMM_DTYPES = (torch.float16, torch.bfloat16)
 def ksmm_wgmma_shape(b: int, c: int) -> bool:
     """Whether the wgmma kernel takes a factor's (or a group's) b and c: multiples of KSMM_WGMMA_MULTIPLE."""
     return b >= 1 and c >= 1 and b % KSMM_WGMMA_MULTIPLE == 0 and c % KSMM_WGMMA_MULTIPLE == 0
+
+
+def ksmm_wgmma_gathers(b: int, c: int) -> bool:
+    """Whether a d > 1 factor whose x is in its natural order runs the wgmma kernel after a gather of x into
+    its batch-major order: groups of at least KSMM_WGMMA_GATHER_MIN_GROUP weights that ksmm_wgmma_shape takes."""
+    return ksmm_wgmma_shape(b, c) and b * c >= KSMM_WGMMA_GATHER_MIN_GROUP
 
 
 def _on_sm90() -> bool:
