@@ -1,11 +1,12 @@
 """The KS factor kernels (kernels/ksmm, ops.ksmm) against float64 at odd batch sizes, every path on every
 pattern it takes, their refusals, opcheck and CUDA-graph capture of a chain (GPU only)."""
 
+import sys
+
 import pytest
 import torch
 
 from minfer import ops
-from minfer.ops import ksmm as ksmm_ops
 from minfer.formats.ksmm import KSWeight
 from minfer.sparsity.factorize import monarch_chain
 from tests.conftest import requires_cuda
@@ -231,7 +232,7 @@ def test_chain_prefill_on_wgmma(patterns, plan, gather, monkeypatch):
     """The format's prefill: which factors run the wgmma kernel, the result against float64, the per-l copies
     counted in nbytes once built, and a captured prefill reading a new input."""
     if gather:
-        monkeypatch.setattr(ksmm_ops, "KSMM_WGMMA_GATHER_MIN_GROUP", 64)
+        monkeypatch.setattr(sys.modules["minfer.ops.ksmm"], "KSMM_WGMMA_GATHER_MIN_GROUP", 64)
     generator = torch.Generator().manual_seed(5)
     chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
                                    for p in patterns])

@@ -220,11 +220,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     for (int step = warp; step < steps; step += kWarps) {
         StepWeights w_next;
         StepXs x_next;
+        if constexpr (!kXAhead) x_now.load(arrays, step, t);  // ahead of the weights: they wait in the queue
         if (step + kWarps < steps) {
             w_next.load(arrays, step + kWarps, t);
             if constexpr (kXAhead) x_next.load(arrays, step + kWarps, t);
         }
-        if constexpr (!kXAhead) x_now.load(arrays, step, t);
         if constexpr (kNorm) x_now.apply_norm(sum_sq);
         multiply_step<T, kTiles, kNorm>(w_now, x_now, t, acc);
         w_now = w_next;
