@@ -86,13 +86,15 @@ class KSWeight(WeightFormat):
         for index, factor in enumerate(factors):
             self.register_buffer(f"factor{index}", factor)
         self.factor_count = len(factors)
+        self._factor_names = tuple(f"factor{index}" for index in range(self.factor_count))
         # factor index -> (the factor's device, data_ptr and version it was built from, its per-l layout)
         self._wgmma_groups: dict[int, tuple[tuple, torch.Tensor]] = {}
         self._steps: tuple[tuple, list] | None = None  # prefill_steps' (key, steps)
 
     @property
     def factors(self) -> list[torch.Tensor]:
-        return [getattr(self, f"factor{index}") for index in range(self.factor_count)]
+        buffers = self._buffers  # not Module.__getattr__: prefill asks per projection
+        return [buffers[name] for name in self._factor_names]
 
     @property
     def patterns(self) -> list[Pattern]:
@@ -150,7 +152,7 @@ class KSWeight(WeightFormat):
         time than its factors take on the GPU (docs/perf-notes.md, 2026-11-28)."""
         factors = self.factors
         key = (ops.ksmm_wgmma_batch(flat.shape[0]), flat.device, flat.dtype, flat.data_ptr() % 16 == 0,
-               tuple((factor.data_ptr(), factor._version) for factor in factors))
+               [(factor.data_ptr(), factor._version) for factor in factors])
         if self._steps is None or self._steps[0] != key:
             steps = []
             for index, (factor, plan) in enumerate(zip(factors, self.wgmma_plan(flat))):
@@ -206,7 +208,7 @@ class KSWeight(WeightFormat):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.factor0.dtype
+        return self._buffers["factor0"].dtype
 
     def _apply_chain(self, flat: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
         for factor in self.factors:
@@ -221,7 +223,8 @@ class KSWeight(WeightFormat):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if ops.use_kernels(flat) and x.dtype == self.dtype and self.dtype in ops.KSMM_DTYPES:
+        dtype = self.dtype
+        if ops.use_kernels(flat) and x.dtype == dtype and dtype in ops.KSMM_DTYPES:
             flat = flat.contiguous()
             for weights, order, gather in self.prefill_steps(flat):
                 if order is None:
