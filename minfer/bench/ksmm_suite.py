@@ -11,8 +11,8 @@ tokens. A case whose x, y or factor would pass MAX_CASE_BYTES is left out. Basel
   back: the seed's bmm algorithm with both permutation copies timed.
 minfer is a one-factor KS weight's forward (on the wgmma kernel a d > 1 factor reads its per-l W copy, built
 at the warm-up, and gathers x into its batch-major order first). A case is a win when minfer is at least
-WIN_SPEEDUP times faster than the best baseline. At B = 1 the
-kernel's GB/s (factor, x and y bytes) is given against the copy rate.
+WIN_SPEEDUP times faster than the best baseline. At B = 1 the kernel's GB/s (factor, x and y bytes) is given
+against the copy rate.
 End to end: the random-weight model dense and with monarch-50 chains on all 7 projections, on minfer's kernels:
 decode tokens/s at batch 1, weight bytes a decode step reads, and the prompt's prefill time (on sm_90 the chains'
 prefill runs the wgmma kernel); on sm_90 once more with the prefill on the ring tiles (ops.ksmm_wgmma_from(None)).

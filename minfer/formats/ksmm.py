@@ -131,16 +131,16 @@ class KSWeight(WeightFormat):
         runs = ops.ksmm_wgmma_batch(flat.shape[0]) and ops.ksmm_wgmma_takes(flat)
         patterns = self.patterns
         on: list[bool] = []
+        gathers: list[bool] = []
         for factor, (_, b, c, d) in zip(self.factors, patterns):
-            gather = d > 1 and not (on and on[-1])
-            takes = ops.ksmm_wgmma_gathers(b, c) if gather else ops.ksmm_wgmma_shape(b, c)
+            gathers.append(d > 1 and not (on and on[-1]))
+            takes = ops.ksmm_wgmma_gathers(b, c) if gathers[-1] else ops.ksmm_wgmma_shape(b, c)
             on.append(runs and takes and (d > 1 or factor.data_ptr() % 16 == 0))
         plan: list[tuple[int, int, int, bool] | None] = []
         for index, (_, _, _, d) in enumerate(patterns):
             following = index + 1 < len(on) and on[index + 1] and patterns[index + 1][3] > 1
             next_c, next_d = patterns[index + 1][2:] if following else (1, 1)
-            gather = d > 1 and not (index > 0 and on[index - 1])
-            plan.append((d, next_c, next_d, gather) if on[index] else None)
+            plan.append((d, next_c, next_d, gathers[index]) if on[index] else None)
         return plan
 
     def prefill_steps(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int, int] | None,
