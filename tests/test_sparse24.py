@@ -159,6 +159,31 @@ def test_norm_fused_gemv_with_more_tiles_than_its_grid(tokens, silu_mul):
 
 
 @requires_cuda
+@pytest.mark.memcheck
+@pytest.mark.racecheck
+@pytest.mark.parametrize("tokens", [9, 16])
+@pytest.mark.parametrize("fusion", [dict(), dict(residual=True), dict(norm=True, silu_mul=True)],
+                         ids=lambda f: "+".join(f) or "plain")
+def test_gemv_with_two_row_tiles_a_block(tokens, fusion):
+    """9-16 tokens on enough rows to fill every block slot take blocks of two 16-row tiles (x read once per 32
+    rows); the row count leaves the last block's second tile one row (silu_mul: one gate row)."""
+    multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
+    silu_mul = fusion.get("silu_mul", False)
+    tile_rows = 8 if silu_mul else 16  # outputs of a row tile
+    outputs = tile_rows * (4 * multiprocessors - 1) + 1  # 4 tiles an SM: 2 blocks, each of 2 tiles
+    n, k = (2 * outputs if silu_mul else outputs), 200
+    w = matrix_24(n, k, torch.float16, "cuda", seed=13)
+    fmt = Sparse24.from_dense(w)
+    x = torch.randn(tokens, k, dtype=torch.float16, device="cuda")
+    g = (torch.rand(k, device="cuda") + 0.5).half() if fusion.get("norm") else None
+    residual = torch.randn(tokens, n, dtype=torch.float16, device="cuda") if fusion.get("residual") else None
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, None if residual is None else residual.clone(), norm_weight=g,
+                            eps=1e-5, accumulate=residual is not None, silu_mul=silu_mul)
+    expected = fused_linear_reference64(x, w, g, 1e-5, residual, silu_mul, round_scaled_x=True)
+    assert rel_error(out, expected) < 2 * TOLERANCE[torch.float16]
+
+
+@requires_cuda
 @pytest.mark.racecheck
 def test_norm_fused_gemv_tiles_hand_over_without_races():
     """The persistent kernel's double-buffered partials, checked under racecheck on several tiles a block."""
