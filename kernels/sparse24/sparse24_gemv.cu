@@ -2,8 +2,8 @@
 // kept values are expanded to dense pairs in registers (two byte permutes per group, their selectors
 // computed from the group's metadata nibble) and fed to mma.m16n8k16 exactly as the dense GEMV feeds
 // W: 0.5625 of its bytes, the same instruction stream otherwise.
-// One block per 16-row tile (with silu_mul: 8 gate rows and their 8 up rows), or per two at 9-16 tokens on
-// many rows; its warps take interleaved steps along K. A warp step is 4 chunks of 32 columns (8 16-byte value pieces per row):
+// One block per 16-row tile (with silu_mul: 8 gate rows and their 8 up rows), or per two at 9-16 tokens; its
+// warps take interleaved steps along K. A warp step is 4 chunks of 32 columns (8 16-byte value pieces per row):
 // lane (g, t) reads pieces t and t + 4 of rows g and g + 8, so each load instruction of a warp covers
 // 64 contiguous bytes of a row (whole 32-byte sectors), with the two metadata words those pieces need
 // and the matching 16 words of token g's x (tokens 8..15: a second mma tile). Group j of the lane's
@@ -163,14 +163,14 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
     }
 }
 
-// Held to 128 registers, 2 blocks (16 warps) per SM, so enough loads stay in flight. A block owns kRowTiles
-// consecutive 16-row tiles; a warp step multiplies one x step by each of them in turn, so two row tiles (9-16
-// tokens) read x once per 32 rows: at 16 tokens x is 1.8x a 16-row tile's weight bytes, the L1 traffic that
+// Held to 128 registers, 16 warps an SM (2 blocks of 8, or 1 of 16), so enough loads stay in flight. A block owns
+// kRowTiles consecutive 16-row tiles; a warp step multiplies one x step by each of them in turn, so two row tiles
+// (9-16 tokens) read x once per 32 rows: at 16 tokens x is 1.8x a 16-row tile's weight bytes, the L1 traffic that
 // held the one-tile kernel back. The weights of the next (step, row tile) are loaded while one multiplies; so is
 // the next step's x with one token tile, while two token tiles load a step's x just before its multiplies, which
 // keeps them within the 128 registers.
-template <typename T, int kTiles, int kRowTiles, bool kNorm, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, 2)
+template <typename T, int kTiles, int kRowTiles, int kBlockWarps, bool kNorm, bool kSiluMul>
+__global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
                          float eps, bool accumulate) {
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
 
     float acc[kRowTiles][kTiles][kChains][4] = {};
     float sum_sq[kTiles] = {};
-    for (int step = warp; step < steps; step += kWarps) {
+    for (int step = warp; step < steps; step += kBlockWarps) {
         StepXs x_next;
         if constexpr (!kXAhead) x_now.load(arrays[0], step, t);  // ahead of the weights: they wait in the queue
         if constexpr (kNorm) x_now.apply_norm(sum_sq);
@@ -237,9 +237,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         for (int r = 0; r < kRowTiles; ++r) {
             StepWeights w_next;
             const bool last = r == kRowTiles - 1;
-            if (!last || step + kWarps < steps) {
-                w_next.load(arrays[last ? 0 : r + 1], last ? step + kWarps : step, t);
-                if (kXAhead && last) x_next.load(arrays[0], step + kWarps, t);
+            if (!last || step + kBlockWarps < steps) {
+                w_next.load(arrays[last ? 0 : r + 1], last ? step + kBlockWarps : step, t);
+                if (kXAhead && last) x_next.load(arrays[0], step + kBlockWarps, t);
             }
             multiply_step<T, kTiles, kChains, kNorm>(w_now, x_now, t, acc[r]);
             w_now = w_next;
@@ -257,8 +257,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
                 c[r][tile][i] = acc[r][tile][0][i];
                 if constexpr (kChains == 2) c[r][tile][i] += acc[r][tile][1][i];
             }
-    __shared__ float4 partial[kWarps - 1][kRowTiles][kTiles][32];
-    __shared__ float sum_sq_part[kNorm ? kWarps : 1][kTiles * 8];
+    __shared__ float4 partial[kBlockWarps - 1][kRowTiles][kTiles][32];
+    __shared__ float sum_sq_part[kNorm ? kBlockWarps : 1][kTiles * 8];
     if (warp > 0)
 #pragma unroll
         for (int r = 0; r < kRowTiles; ++r)
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
         const int row = rows[r];
         if (!kEarlyResidual && !kSiluMul && accumulate) read_residual(row);
 #pragma unroll
-        for (int i = 0; i < kWarps - 1; ++i)
+        for (int i = 0; i < kBlockWarps - 1; ++i)
 #pragma unroll
             for (int tile = 0; tile < kTiles; ++tile) {
                 const float4 p = partial[i][r][tile][lane_id];
@@ -507,18 +507,23 @@ void launch_mma(const GemvArgs& a) {
             return;
         }
     }
-    auto launch = [&](auto kernel, int blocks) {
-        launch_with_pdl(kernel, dim3((unsigned)blocks), dim3(kWarps * 32), 0, a.stream, true,
+    auto launch = [&](auto kernel, int blocks, int warps) {
+        launch_with_pdl(kernel, dim3((unsigned)blocks), dim3(warps * 32), 0, a.stream, true,
                         static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
                         static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k,
                         a.chunks, a.fusion.eps, a.fusion.accumulate);
     };
-    // Two row tiles a block where that still fills every block slot (2 an SM): on 4096 rows (256 tiles) half the
-    // blocks would leave the SMs' second slots empty, 0.91-1.08x cuBLAS against 1.21-1.42x with one row tile.
-    if constexpr (kTiles == 2)
-        if (ceil_div(tiles, 2) >= 2 * multiprocessors(current_device()))
-            return launch(sparse24_gemv_kernel<T, kTiles, 2, kNorm, kSiluMul>, ceil_div(tiles, 2));
-    launch(sparse24_gemv_kernel<T, kTiles, 1, kNorm, kSiluMul>, tiles);
+    // 9-16 tokens: blocks of two row tiles, of 8 warps at 2 blocks an SM where those fill every block slot, else of
+    // 16 warps (4096 rows: 128 blocks). At 16 tokens on the H200 against one row tile a block: 12288-32000 rows
+    // 1.01-1.05x -> 1.36-1.41x cuBLAS, 4096 rows 1.21-1.41x -> 1.60-1.66x (16 warps; 8 warps: 0.90-1.07x).
+    if constexpr (kTiles == 2) {
+        const int blocks = ceil_div(tiles, 2);
+        if (blocks >= 2 * multiprocessors(current_device()))
+            return launch(sparse24_gemv_kernel<T, kTiles, 2, 8, kNorm, kSiluMul>, blocks, 8);
+        return launch(sparse24_gemv_kernel<T, kTiles, 2, 16, kNorm, kSiluMul>, blocks, 16);
+    } else {
+        launch(sparse24_gemv_kernel<T, kTiles, 1, 8, kNorm, kSiluMul>, tiles, 8);
+    }
 }
 
 template <typename T, int kTiles>
