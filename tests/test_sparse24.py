@@ -161,13 +161,13 @@ def test_norm_fused_gemv_with_more_tiles_than_its_grid(tokens, silu_mul):
 @requires_cuda
 @pytest.mark.memcheck
 @pytest.mark.racecheck
-@pytest.mark.parametrize("tokens", [9, 16])
+@pytest.mark.parametrize("tokens", [1, 5, 9, 16])
 @pytest.mark.parametrize("fusion", [dict(), dict(residual=True), dict(norm=True, silu_mul=True)],
                          ids=lambda f: "+".join(f) or "plain")
-def test_gemv_with_two_row_tiles_a_block(tokens, fusion):
-    """9-16 tokens take blocks of two 16-row tiles (x read once per 32 rows): of 8 warps, 2 an SM, on enough rows
-    to fill every block slot, as here (fewer rows, as in the other tests, take blocks of 16 warps); the row count
-    leaves the last block's second tile one row (silu_mul: one gate row)."""
+def test_gemv_blocks_of_8_warps(tokens, fusion):
+    """A block holds two 16-row tiles (x read once per 32 rows): blocks of 8 warps, 2 an SM, where they fill every
+    block slot, as here (fewer rows, as in the other tests, take blocks of 16 warps); the row count leaves the last
+    block's second tile one row (silu_mul: one gate row). 1 token with the norm runs the staged-norm kernel."""
     multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
     silu_mul = fusion.get("silu_mul", False)
     tile_rows = 8 if silu_mul else 16  # outputs of a row tile

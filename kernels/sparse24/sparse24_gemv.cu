@@ -2,16 +2,16 @@
 // kept values are expanded to dense pairs in registers (two byte permutes per group, their selectors
 // computed from the group's metadata nibble) and fed to mma.m16n8k16 exactly as the dense GEMV feeds
 // W: 0.5625 of its bytes, the same instruction stream otherwise.
-// One block per 16-row tile (with silu_mul: 8 gate rows and their 8 up rows), or per two at 9-16 tokens; its
-// warps take interleaved steps along K. A warp step is 4 chunks of 32 columns (8 16-byte value pieces per row):
+// One block per two 16-row tiles (with silu_mul: a tile is 8 gate rows and their 8 up rows); its warps take
+// interleaved steps along K. A warp step is 4 chunks of 32 columns (8 16-byte value pieces per row):
 // lane (g, t) reads pieces t and t + 4 of rows g and g + 8, so each load instruction of a warp covers
 // 64 contiguous bytes of a row (whole 32-byte sectors), with the two metadata words those pieces need
 // and the matching 16 words of token g's x (tokens 8..15: a second mma tile). Group j of the lane's
 // pieces is one m16n8k16: its slots 0,1 are the lane's k slots 2t, 2t+1 and its slots 2,3 the k slots
-// 2t+8, 2t+9, for A and B alike. The next step's loads (at 9-16 tokens its weights only) are in flight while
-// a step multiplies; the warps' partials are reduced in shared memory in a fixed order.
+// 2t+8, 2t+9, for A and B alike. The next weights are in flight while a tile multiplies; the warps' partials
+// are reduced in shared memory in a fixed order.
 // Fusions (launch.h) as in the dense GEMV: g * x rounded to the dtype feeds the mmas and the per-token
-// RMS scale is applied in the epilogue; the residual is read before the main loop and added there.
+// RMS scale is applied in the epilogue, where the residual is read and added.
 // 1-4 tokens with the norm fused (and no residual) take a persistent kernel that stages g * x in shared
 // memory once per block (sparse24_gemv_staged_norm_kernel below).
 #include "sparse24.h"
@@ -163,13 +163,13 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
     }
 }
 
-// Held to 128 registers, 16 warps an SM (2 blocks of 8, or 1 of 16), so enough loads stay in flight. A block owns
-// kRowTiles consecutive 16-row tiles; a warp step multiplies one x step by each of them in turn, so two row tiles
-// (9-16 tokens) read x once per 32 rows: at 16 tokens x is 1.8x a 16-row tile's weight bytes, the L1 traffic that
-// held the one-tile kernel back. The weights of the next (step, row tile) are loaded while one multiplies; so is
-// the next step's x with one token tile, while two token tiles load a step's x just before its multiplies, which
-// keeps them within the 128 registers.
-template <typename T, int kTiles, int kRowTiles, int kBlockWarps, bool kNorm, bool kSiluMul>
+// A block owns two consecutive 16-row tiles; a warp step multiplies one x step by each in turn, so x is read
+// once per 32 rows (at 16 tokens x is 1.8x a 16-row tile's weight bytes: that L1 traffic held a one-tile block
+// back). A step's x is loaded just before its multiplies and the weights of the next (step, row tile) while one
+// multiplies, within 128 registers: 16 warps an SM, as 2 blocks of 8 or 1 of 16 (kBlockWarps).
+constexpr int kRowTiles = 2;
+
+template <typename T, int kTiles, int kBlockWarps, bool kNorm, bool kSiluMul>
 __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
     sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
                          const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
@@ -202,70 +202,37 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
     }
 
     const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    constexpr bool kXAhead = kTiles == 1 && kRowTiles == 1;
-    constexpr int kChains = kRowTiles == 1 ? 2 : 1;  // accumulators per tile, alternated to shorten mma chains
-    using StepXs = StepX<T, kTiles, kNorm>;
     StepWeights w_now;
-    StepXs x_now;
     if (warp < steps) w_now.load(arrays[0], warp, t);
     wait_for_previous_kernel();
-    // With one row tile the residual is read here, so its round trip overlaps the multiplies (warp 0 writes the
-    // outputs); two row tiles read it after the loop, their registers spent on the weights.
-    constexpr bool kEarlyResidual = kRowTiles == 1;
-    float residual[kTiles][2][2] = {};  // [tile][token 2t + j][row, row + 8]
-    auto read_residual = [&](int row) {
-#pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int token = 8 * tile + 2 * t + j;
-                const int64_t lo = (int64_t)token * n + row;
-                residual[tile][j][0] = token < tokens && row < n ? to_float(out[lo]) : 0.0f;
-                residual[tile][j][1] = token < tokens && row + 8 < n ? to_float(out[lo + 8]) : 0.0f;
-            }
-    };
-    if (kEarlyResidual && !kSiluMul && accumulate && warp == 0) read_residual(rows[0]);
-    if (kXAhead && warp < steps) x_now.load(arrays[0], warp, t);
 
-    float acc[kRowTiles][kTiles][kChains][4] = {};
+    float acc[kRowTiles][kTiles][1][4] = {};
     float sum_sq[kTiles] = {};
     for (int step = warp; step < steps; step += kBlockWarps) {
-        StepXs x_next;
-        if constexpr (!kXAhead) x_now.load(arrays[0], step, t);  // ahead of the weights: they wait in the queue
+        StepX<T, kTiles, kNorm> x_now;
+        x_now.load(arrays[0], step, t);  // ahead of the next weights: they wait in the queue
         if constexpr (kNorm) x_now.apply_norm(sum_sq);
 #pragma unroll
         for (int r = 0; r < kRowTiles; ++r) {
             StepWeights w_next;
             const bool last = r == kRowTiles - 1;
-            if (!last || step + kBlockWarps < steps) {
+            if (!last || step + kBlockWarps < steps)
                 w_next.load(arrays[last ? 0 : r + 1], last ? step + kBlockWarps : step, t);
-                if (kXAhead && last) x_next.load(arrays[0], step + kBlockWarps, t);
-            }
-            multiply_step<T, kTiles, kChains, kNorm>(w_now, x_now, t, acc[r]);
+            multiply_step<T, kTiles, 1, kNorm>(w_now, x_now, t, acc[r]);
             w_now = w_next;
         }
-        if constexpr (kXAhead) x_now = x_next;
     }
 
-    float c[kRowTiles][kTiles][4];
-#pragma unroll
-    for (int r = 0; r < kRowTiles; ++r)
-#pragma unroll
-        for (int tile = 0; tile < kTiles; ++tile)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                c[r][tile][i] = acc[r][tile][0][i];
-                if constexpr (kChains == 2) c[r][tile][i] += acc[r][tile][1][i];
-            }
     __shared__ float4 partial[kBlockWarps - 1][kRowTiles][kTiles][32];
     __shared__ float sum_sq_part[kNorm ? kBlockWarps : 1][kTiles * 8];
     if (warp > 0)
 #pragma unroll
         for (int r = 0; r < kRowTiles; ++r)
 #pragma unroll
-            for (int tile = 0; tile < kTiles; ++tile)
-                partial[warp - 1][r][tile][lane_id] =
-                    make_float4(c[r][tile][0], c[r][tile][1], c[r][tile][2], c[r][tile][3]);
+            for (int tile = 0; tile < kTiles; ++tile) {
+                const float* c = acc[r][tile][0];
+                partial[warp - 1][r][tile][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
+            }
     if constexpr (kNorm) {
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile) {
@@ -280,16 +247,16 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
 #pragma unroll
     for (int r = 0; r < kRowTiles; ++r) {
         const int row = rows[r];
-        if (!kEarlyResidual && !kSiluMul && accumulate) read_residual(row);
+        float (&c)[kTiles][1][4] = acc[r];
 #pragma unroll
         for (int i = 0; i < kBlockWarps - 1; ++i)
 #pragma unroll
             for (int tile = 0; tile < kTiles; ++tile) {
                 const float4 p = partial[i][r][tile][lane_id];
-                c[r][tile][0] += p.x;
-                c[r][tile][1] += p.y;
-                c[r][tile][2] += p.z;
-                c[r][tile][3] += p.w;
+                c[tile][0][0] += p.x;
+                c[tile][0][1] += p.y;
+                c[tile][0][2] += p.z;
+                c[tile][0][3] += p.w;
             }
         // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1 of its tile.
 #pragma unroll
@@ -300,14 +267,14 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
                 if (token >= tokens) continue;
                 float scale = 1.0f;
                 if constexpr (kNorm) scale = rms_scale(sum_sq_part, token, k, eps);
+                const float lo_sum = c[tile][0][j] * scale, hi_sum = c[tile][0][2 + j] * scale;
                 if constexpr (kSiluMul) {
-                    const float gate = c[r][tile][j] * scale, up = c[r][tile][2 + j] * scale;
-                    if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(silu_times(gate, up));
+                    if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(silu_times(lo_sum, hi_sum));
                     continue;
                 }
                 const int64_t lo = (int64_t)token * n + row, hi = lo + 8;
-                if (row < n) out[lo] = from_float<T>(c[r][tile][j] * scale + residual[tile][j][0]);
-                if (row + 8 < n) out[hi] = from_float<T>(c[r][tile][2 + j] * scale + residual[tile][j][1]);
+                if (row < n) out[lo] = from_float<T>(lo_sum + (accumulate ? to_float(out[lo]) : 0.0f));
+                if (row + 8 < n) out[hi] = from_float<T>(hi_sum + (accumulate ? to_float(out[hi]) : 0.0f));
             }
     }
 }
@@ -513,17 +480,13 @@ void launch_mma(const GemvArgs& a) {
                         static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k,
                         a.chunks, a.fusion.eps, a.fusion.accumulate);
     };
-    // 9-16 tokens: blocks of two row tiles, of 8 warps at 2 blocks an SM where those fill every block slot, else of
-    // 16 warps (4096 rows: 128 blocks). At 16 tokens on the H200 against one row tile a block: 12288-32000 rows
-    // 1.01-1.05x -> 1.36-1.41x cuBLAS, 4096 rows 1.21-1.41x -> 1.60-1.66x (16 warps; 8 warps: 0.90-1.07x).
-    if constexpr (kTiles == 2) {
-        const int blocks = ceil_div(tiles, 2);
-        if (blocks >= 2 * multiprocessors(current_device()))
-            return launch(sparse24_gemv_kernel<T, kTiles, 2, 8, kNorm, kSiluMul>, blocks, 8);
-        return launch(sparse24_gemv_kernel<T, kTiles, 2, 16, kNorm, kSiluMul>, blocks, 16);
-    } else {
-        launch(sparse24_gemv_kernel<T, kTiles, 1, 8, kNorm, kSiluMul>, tiles, 8);
-    }
+    // Blocks of 8 warps, 2 an SM, where they fill every block slot, else of 16 (4096 rows: 128 blocks). Against
+    // one row tile a block of 8 warps (H200): 1 token 1.33-1.44x -> 1.33-1.50x the dense GEMV, 16 tokens
+    // 1.01-1.41x -> 1.36-1.66x cuBLAS (the 4096-row shapes: 0.90-1.08x with 8-warp blocks).
+    const int blocks = ceil_div(tiles, kRowTiles);
+    if (blocks >= 2 * multiprocessors(current_device()))
+        return launch(sparse24_gemv_kernel<T, kTiles, 8, kNorm, kSiluMul>, blocks, 8);
+    launch(sparse24_gemv_kernel<T, kTiles, 16, kNorm, kSiluMul>, blocks, 16);
 }
 
 template <typename T, int kTiles>
