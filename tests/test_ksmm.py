@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minfer.errors import CheckpointError, FormatError
-from minfer.formats.ksmm import KSWeight, project_chain
+from minfer.formats.ksmm import KSWeight, pattern_inputs, project_chain
 from minfer.sparsity.factorize import chain_for, monarch_chain, parse_patterns
 from tests.helpers import APP, assert_input_error, in_process, load_app, tiny_random_model
 from tests.numerics import rel_error
@@ -297,12 +297,38 @@ def test_wgmma_refusals_and_cpu_plan():
     assert not ops.ksmm_wgmma_gathers(256, 256) and not ops.ksmm_wgmma_gathers(260, 1024)
 
 
+@pytest.mark.parametrize("patterns", CHAINS, ids=str)
+def test_wgmma_chain_reference_is_the_per_factor_composition(patterns):
+    """ops.ksmm_wgmma_chain off the kernel (its reference) on a chain whose factors all take the wgmma path (a
+    d > 1 first factor gathered, each factor writing the next one's batch-major order where that one's d > 1)
+    is the factors applied one by one; a plan of the wrong length is refused in one line."""
+    from minfer import ops
+
+    factors = random_factors(patterns)
+    x = torch.randn(5, pattern_inputs(patterns[0]), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    plan = []
+    for index, (_, _, c, d) in enumerate(patterns):
+        following = patterns[index + 1] if index + 1 < len(patterns) else None
+        next_c, next_d = following[2:] if following is not None and following[3] > 1 else (1, 1)
+        plan += [d, next_c, next_d, *((c, d) if index == 0 and d > 1 else (0, 0))]
+    groups = [ops.ksmm_groups(factor) for factor in factors]
+    expected = x
+    for factor in factors:
+        expected = ops.ksmm_reference(expected, factor)
+    assert rel_error(ops.ksmm_wgmma_chain(x, groups, plan), expected) < 1e-14
+    for bad_groups, bad_plan in ((groups, plan[:-1]), ([], [])):
+        with pytest.raises(FormatError, match="plan holds") as raised:
+            ops.ksmm_wgmma_chain(x, bad_groups, bad_plan)
+        assert "\n" not in str(raised.value)
+
+
 def test_prefill_steps_are_cached_per_kind_of_input_and_rebuilt_when_a_factor_changes():
     chain = KSWeight.from_factors(random_factors([(4, 64, 64, 1), (1, 64, 64, 4)], torch.float16))
     x = torch.randn(300, 256, dtype=torch.float16)
     steps = chain.prefill_steps(x)
-    assert [step[1:] for step in steps] == [(None, None)] * 2  # no kernels on the CPU: ops.ksmm for every factor
-    assert all(weights is factor for (weights, _, _), factor in zip(steps, chain.factors))
+    # no kernels on the CPU: ops.ksmm for every factor, no chain op
+    assert [step[1:] for step in steps.per_factor] == [(None, None)] * 2 and steps.chain is None
+    assert all(weights is factor for (weights, _, _), factor in zip(steps.per_factor, chain.factors))
     assert chain.prefill_steps(torch.randn(300, 256, dtype=torch.float16)) is steps
     assert chain.prefill_steps(torch.randn(3, 256, dtype=torch.float16)) is not steps  # not a wgmma batch
     steps = chain.prefill_steps(x)

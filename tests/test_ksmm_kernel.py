@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minfer import ops
+from minfer.errors import FormatError
 from minfer.formats.ksmm import KSWeight
 from minfer.sparsity.factorize import monarch_chain
 from tests.conftest import requires_cuda
@@ -255,6 +256,58 @@ def test_chain_prefill_on_wgmma(patterns, plan, gather, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert rel_error(out, x.double() @ dense.T) < 4e-3 * len(patterns)
+
+
+@requires_sm90
+@pytest.mark.memcheck_skip
+@pytest.mark.parametrize("patterns", [
+    [(1, 64, 64, 4), (4, 64, 64, 1), (1, 64, 64, 4)],  # gathered first; the second writes the third's order
+    [(2, 40, 64, 1), (1, 80, 40, 2), (2, 40, 80, 1)],
+    [(2, 48, 40, 8)],  # gathered, alone
+], ids=str)
+def test_wgmma_chain_op_is_the_per_factor_path(patterns, monkeypatch):
+    """minfer.ksmm_wgmma_chain on the groups and plan the format caches (KSWeight.prefill_steps) is the per-factor
+    wgmma path (to_batch_major where it gathers, ops.ksmm_wgmma) bit for bit and the chain against float64; the
+    format's forward is that one op."""
+    monkeypatch.setattr(sys.modules["minfer.ops.ksmm"], "KSMM_WGMMA_GATHER_MIN_GROUP", 64)
+    generator = torch.Generator().manual_seed(7)
+    chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
+                                   for p in patterns])
+    x = torch.randn(300, chain.in_features, dtype=torch.float16, device="cuda")
+    with ops.ksmm_wgmma_from(64):
+        steps = chain.prefill_steps(x)
+        assert steps.chain is not None
+        got = torch.ops.minfer.ksmm_wgmma_chain(x, *steps.chain)
+        expected = x
+        for weights, order, gather in steps.per_factor:
+            if gather is not None:
+                expected = ops.to_batch_major(expected, *gather).contiguous()
+            expected = ops.ksmm_wgmma(expected, weights, *order)
+        assert torch.equal(got, expected)
+        assert torch.equal(chain(x), got)
+    assert rel_error(got, x.double() @ chain.to_dense().double().T) < 4e-3 * len(patterns)
+
+
+@requires_sm90
+@pytest.mark.memcheck_skip
+def test_wgmma_chain_refusals_and_opcheck(monkeypatch):
+    monkeypatch.setattr(sys.modules["minfer.ops.ksmm"], "KSMM_WGMMA_GATHER_MIN_GROUP", 64)
+    generator = torch.Generator().manual_seed(8)
+    chain = KSWeight.from_factors([(torch.randn(p, generator=generator) / p[2] ** 0.5).half().cuda()
+                                   for p in [(1, 64, 64, 4), (4, 64, 64, 1)]])
+    x = torch.randn(20, 256, dtype=torch.float16, device="cuda")
+    with ops.ksmm_wgmma_from(17):
+        groups, plan = chain.prefill_steps(x).chain
+    assert plan == [4, 1, 1, 64, 4, 1, 1, 1, 0, 0]
+    torch.library.opcheck(torch.ops.minfer.ksmm_wgmma_chain, (x, groups, plan))
+    for bad_groups, bad_plan, message in ((groups, plan[:-1], "plan must hold"), ([], [], "at least one factor"),
+                                          (groups, [4, 1, 1, 7, 4, *plan[5:]], "does not divide"),
+                                          (groups, [4, 1, 1, 64, 4, 1, 7, 3, 0, 0], "does not chain")):
+        with pytest.raises(RuntimeError, match=message) as raised:
+            torch.ops.minfer.ksmm_wgmma_chain(x, bad_groups, bad_plan)
+        assert "\n" not in str(raised.value)
+    with pytest.raises(FormatError, match="plan holds"):
+        ops.ksmm_wgmma_chain(x, groups, plan[:-1])
 
 
 # Patterns of the fused decode factors: a == 1 with b even (silu_mul takes those), a > 1, d > 8, and long rows

@@ -1,4 +1,6 @@
 // KS factor products (ksmm.h): the binding checks the tensors and forwards raw pointers.
+#include <ATen/ops/empty.h>
+
 #include "common/torch_binding.h"
 #include "ksmm/ksmm.h"
 
@@ -82,10 +84,9 @@ void ksmm_gemv(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out,
 
 // A factor as groups of GEMMs on the sm_90a wgmma kernel (ksmm.h, launch_ksmm_wgmma): x [T, G*c] (a d > 1
 // factor's batch-major order), groups [G, b, c] (the factor, or its per-l layout), out [T, G*b] in the factor's
-// natural order (next_d == 1) or the batch-major order of a next factor with that (c, d).
-void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, int64_t d, int64_t next_c,
-                int64_t next_d, int64_t tile_n) {
-    const char* op = "minfer.ksmm_wgmma";
+// natural order (next_d == 1) or the batch-major order of a next factor with that (c, d); `op` names the caller.
+void run_ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, int64_t d, int64_t next_c,
+                    int64_t next_d, int64_t tile_n, const char* op) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(groups, "groups");
     check_cuda_contiguous(out, "out");
@@ -121,6 +122,45 @@ void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, int64_t d, int64_t next_c,
+                int64_t next_d, int64_t tile_n) {
+    run_ksmm_wgmma(x, groups, out, d, next_c, next_d, tile_n, "minfer.ksmm_wgmma");
+}
+
+// A KS chain whose factors all run the wgmma kernel, as one op: a prefill enqueues one dispatch per projection
+// instead of one per factor (its host time was the prefill's bound). Factor i runs groups[i] with plan[5i ..
+// 5i + 4] = (d, next_c, next_d, gather_c, gather_d); gather_d != 0 first copies x into the batch-major order of a
+// factor with that (c, d) (ops.to_batch_major). Returns the last factor's output.
+at::Tensor ksmm_wgmma_chain(const at::Tensor& x, at::TensorList groups, at::IntArrayRef plan) {
+    const char* op = "minfer.ksmm_wgmma_chain";
+    const int64_t factors = static_cast<int64_t>(groups.size());
+    MINFER_CHECK(factors >= 1, op, ": groups must hold at least one factor");
+    MINFER_CHECK(static_cast<int64_t>(plan.size()) == 5 * factors, op,
+                 ": plan must hold (d, next_c, next_d, gather_c, gather_d) per factor, ", 5 * factors,
+                 " integers for ", factors, " groups, got ", static_cast<int64_t>(plan.size()));
+    MINFER_CHECK(x.dim() == 2, op, ": x must be a 2-D [T, inputs] tensor, got ", x.sizes());
+    at::Tensor flat = x;
+    for (int64_t i = 0; i < factors; ++i) {
+        const int64_t* step = plan.data() + 5 * i;
+        const int64_t gather_c = step[3], gather_d = step[4], tokens = flat.size(0);
+        if (gather_d != 0) {
+            const int64_t inputs = flat.size(1);
+            MINFER_CHECK(gather_c >= 1 && gather_d >= 1 && inputs % (gather_c * gather_d) == 0, op, ": factor ", i,
+                         "'s gather (c, d) = (", gather_c, ", ", gather_d, ") does not divide its ", inputs, " inputs");
+            const int64_t blocks = inputs / (gather_c * gather_d);  // not -1: a 0-token x could not infer it
+            flat = flat.reshape({tokens, blocks, gather_c, gather_d}).transpose(2, 3).contiguous();
+            flat = flat.view({tokens, inputs});
+        }
+        const at::Tensor& weights = groups[i];
+        MINFER_CHECK(weights.dim() == 3, op, ": groups[", i, "] must be a 3-D [G, b, c] tensor, got ",
+                     weights.sizes());
+        at::Tensor out = at::empty({tokens, weights.size(0) * weights.size(1)}, flat.options());
+        run_ksmm_wgmma(flat, weights, out, step[0], step[1], step[2], 0, op);
+        flat = out;
+    }
+    return flat;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
@@ -129,6 +169,7 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
     m.def("ksmm_gemv(Tensor x, Tensor factor, Tensor(a!) out, Tensor? norm_weight=None, float eps=0.0, "
           "bool accumulate=False, bool silu_mul=False) -> ()");
     m.def("ksmm_wgmma(Tensor x, Tensor groups, Tensor(a!) out, int d, int next_c, int next_d, int tile_n=0) -> ()");
+    m.def("ksmm_wgmma_chain(Tensor x, Tensor[] groups, int[] plan) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
@@ -136,4 +177,5 @@ TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("ksmm_tuned", &ksmm_tuned);
     m.impl("ksmm_gemv", &ksmm_gemv);
     m.impl("ksmm_wgmma", &ksmm_wgmma);
+    m.impl("ksmm_wgmma_chain", &ksmm_wgmma_chain);
 }

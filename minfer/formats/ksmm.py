@@ -14,6 +14,8 @@ factors whose b and c the wgmma kernel takes run it (ops.ksmm_wgmma). A d > 1 fa
 batch-major order (ops.to_batch_major), which the factor before it writes when that one runs the kernel too,
 and which is gathered by a copy otherwise (large groups only: ops.ksmm_wgmma_gathers); it reads its W in
 the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy built at the first such prefill and counted in nbytes.
+A chain whose factors all run that kernel is one op (ops.ksmm_wgmma_chain, the gathers inside): one dispatch
+per projection, as a 512-token prefill took as long to enqueue as to run (docs/perf-notes.md, 2026-11-28).
 The projection of a dense matrix onto a chain (from_dense) lives here too: sparsity.factorize applies it
 to a whole model, and this package must not import that one.
 """
@@ -65,6 +67,17 @@ def check_chain(patterns: Sequence[Pattern], shape: tuple[int, int]) -> None:
                           f"outputs, but the matrix has {rows} rows")
 
 
+# A factor's step in a prefill: (factor, None, None) for ops.ksmm, or (groups, order, gather) for the wgmma kernel.
+Step = tuple[torch.Tensor, tuple[int, int, int] | None, tuple[int, int] | None]
+
+
+class PrefillSteps(NamedTuple):
+    """What KSWeight.forward runs on one kind of input (KSWeight.prefill_steps)."""
+
+    per_factor: list[Step]
+    chain: tuple[list[torch.Tensor], list[int]] | None  # every factor on wgmma: ops.ksmm_wgmma_chain's groups, plan
+
+
 @register
 class KSWeight(WeightFormat):
     """A chain of KS factors, in application order (factor0 = K_L first; see the module docstring)."""
@@ -89,7 +102,7 @@ class KSWeight(WeightFormat):
         self._factor_names = tuple(f"factor{index}" for index in range(self.factor_count))
         # factor index -> (the factor's device, data_ptr and version it was built from, its per-l layout)
         self._wgmma_groups: dict[int, tuple[tuple, torch.Tensor]] = {}
-        self._steps: tuple[tuple, list] | None = None  # prefill_steps' (key, steps)
+        self._steps: tuple[tuple, PrefillSteps] | None = None  # prefill_steps' (key, steps)
 
     @property
     def factors(self) -> list[torch.Tensor]:
@@ -143,13 +156,13 @@ class KSWeight(WeightFormat):
             plan.append((d, next_c, next_d, gathers[index]) if on[index] else None)
         return plan
 
-    def prefill_steps(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int, int] | None,
-                                                              tuple[int, int] | None]]:
-        """What forward runs per factor on `flat`: (factor, None, None) for ops.ksmm, or (groups, order,
-        gather) for the wgmma kernel (wgmma_plan, wgmma_groups), gather the (c, d) whose batch-major order x is
-        copied into first, or None. Cached per kind of input (wgmma batch or not, device, dtype, 16-byte
-        alignment) and the factors' storage and versions: built per call, it cost a 512-token prefill more host
-        time than its factors take on the GPU (docs/perf-notes.md, 2026-11-28)."""
+    def prefill_steps(self, flat: torch.Tensor) -> PrefillSteps:
+        """What forward runs on `flat`: per factor (factor, None, None) for ops.ksmm, or (groups, order, gather)
+        for the wgmma kernel (wgmma_plan, wgmma_groups), gather the (c, d) whose batch-major order x is copied
+        into first, or None; where every factor runs that kernel, the groups and the flat plan of the one
+        ops.ksmm_wgmma_chain call that replaces the loop. Cached per kind of input (wgmma batch or not, device,
+        dtype, 16-byte alignment) and the factors' storage and versions: built per call, it cost a 512-token
+        prefill more host time than its factors take on the GPU (docs/perf-notes.md, 2026-11-28)."""
         factors = self.factors
         key = (ops.ksmm_wgmma_batch(flat.shape[0]), flat.device, flat.dtype, flat.data_ptr() % 16 == 0,
                [(factor.data_ptr(), factor._version) for factor in factors])
@@ -161,7 +174,11 @@ class KSWeight(WeightFormat):
                     continue
                 *order, gather = plan
                 steps.append((self.wgmma_groups(index), tuple(order), tuple(factor.shape[2:]) if gather else None))
-            self._steps = (key, steps)
+            chain = None
+            if all(order is not None for _, order, _ in steps):
+                groups = [weights for weights, _, _ in steps]
+                chain = (groups, [value for _, order, gather in steps for value in (*order, *(gather or (0, 0)))])
+            self._steps = (key, PrefillSteps(steps, chain))
         return self._steps[1]
 
     @classmethod
@@ -226,7 +243,10 @@ class KSWeight(WeightFormat):
         dtype = self.dtype
         if ops.use_kernels(flat) and x.dtype == dtype and dtype in ops.KSMM_DTYPES:
             flat = flat.contiguous()
-            for weights, order, gather in self.prefill_steps(flat):
+            steps = self.prefill_steps(flat)
+            if steps.chain is not None:
+                return ops.ksmm_wgmma_chain(flat, *steps.chain).reshape(*x.shape[:-1], self.out_features)
+            for weights, order, gather in steps.per_factor:
                 if order is None:
                     flat = ops.ksmm(flat, weights)
                     continue

@@ -4,6 +4,7 @@ kernel per factor, reading x with the stride-d gather and writing y with the str
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -297,3 +298,35 @@ def ksmm_wgmma(x: torch.Tensor, groups: torch.Tensor, d: int = 1, next_c: int = 
     else:
         out.copy_(ksmm_wgmma_reference(x, groups, d, next_c, next_d))
     return out
+
+
+def ksmm_wgmma_chain_reference(x: torch.Tensor, groups: Sequence[torch.Tensor], plan: Sequence[int]) -> torch.Tensor:
+    """ksmm_wgmma_chain's product: per factor i, with plan[5i .. 5i + 4] = (d, next_c, next_d, gather_c,
+    gather_d), x moved into the batch-major order of (gather_c, gather_d) where gather_d != 0 (to_batch_major),
+    then ksmm_wgmma_reference, each factor's output rounded to x's dtype."""
+    for index, weights in enumerate(groups):
+        d, next_c, next_d, gather_c, gather_d = plan[5 * index:5 * index + 5]
+        if gather_d:
+            x = to_batch_major(x, gather_c, gather_d)
+        x = ksmm_wgmma_reference(x, weights, d, next_c, next_d)
+    return x
+
+
+@fake_impl("minfer::ksmm_wgmma_chain")
+def _ksmm_wgmma_chain_fake(x, groups, plan):
+    return x.new_empty(x.shape[0], groups[-1].shape[0] * groups[-1].shape[1])
+
+
+def ksmm_wgmma_chain(x: torch.Tensor, groups: Sequence[torch.Tensor], plan: Sequence[int]) -> torch.Tensor:
+    """A KS chain whose factors all run the wgmma kernel, as one op (ksmm_wgmma_chain_reference): factor i is
+    ksmm_wgmma on groups[i] with plan[5i .. 5i + 4] = (d, next_c, next_d, gather_c, gather_d), x first gathered
+    into the batch-major order of (gather_c, gather_d) where gather_d != 0; returns the last factor's output
+    [T, G·b]. One dispatch for the chain, for a prefill's host time (KSWeight.prefill_steps caches its arguments).
+    The kernel where ksmm_wgmma_takes(x) for a non-empty batch (the groups must then be what the kernel takes, as
+    the format's plan checked once; the binding refuses others in one line), the reference elsewhere."""
+    if len(plan) != 5 * len(groups) or not groups:
+        raise FormatError(f"ksmm_wgmma_chain: plan holds (d, next_c, next_d, gather_c, gather_d) per factor, "
+                          f"{5 * len(groups)} integers for {len(groups)} groups (at least one), got {len(plan)}")
+    if x.shape[0] > 0 and ksmm_wgmma_takes(x):
+        return torch.ops.minfer.ksmm_wgmma_chain(x, groups, plan)
+    return ksmm_wgmma_chain_reference(x, groups, plan)
