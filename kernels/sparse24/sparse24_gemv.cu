@@ -12,12 +12,8 @@
 // are reduced in shared memory in a fixed order.
 // Fusions (launch.h) as in the dense GEMV: g * x rounded to the dtype feeds the mmas and the per-token
 // RMS scale is applied in the epilogue, where the residual is read and added.
-// 1-4 tokens with the norm fused (and no residual) take a persistent kernel that stages g * x in shared
-// memory once per block (sparse24_gemv_staged_norm_kernel below).
 #include "sparse24.h"
 #include "common/device_utils.cuh"
-
-#include <algorithm>
 
 namespace minfer {
 
@@ -25,10 +21,8 @@ namespace {
 
 constexpr int kTileRows = 16;
 constexpr int kStepChunks = 4;               // chunks of one row per warp step (lanes t = 0..3)
-constexpr int kWarps = 8;
 constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
 constexpr uint32_t kPaddingMeta = 0x44444444u;  // slots 0, 1 in every group: the encoding of padding
-constexpr int kSparse24StagedTokens = 4;       // the staged-norm kernel's most tokens
 
 // The byte-permute selector expanding one group's kept pair (a 32-bit word: value 0 low, value 1 high)
 // into its 4 slots: low 16 bits for slots 0,1, high 16 bits for slots 2,3; a slot not kept reads zero.
@@ -111,21 +105,6 @@ struct StepX {
         }
     }
 
-    // x staged in shared memory (already multiplied by g when the norm is fused): rows[tile] is token g's
-    // (+ 8 * tile) row there.
-    __device__ __forceinline__ void load_shared(const uint32_t* const (&rows)[kTiles], int x_words, int step, int t) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const int word = x_word(step, t, 4 * p);
-#pragma unroll
-            for (int tile = 0; tile < kTiles; ++tile) {
-                const uint4 v = word < x_words ? *reinterpret_cast<const uint4*>(rows[tile] + word)
-                                               : make_uint4(0, 0, 0, 0);
-                xw[tile][4 * p] = v.x, xw[tile][4 * p + 1] = v.y, xw[tile][4 * p + 2] = v.z, xw[tile][4 * p + 3] = v.w;
-            }
-        }
-    }
-
     // RMSNorm fusion: the squares of x into `sum_sq`, then x *= g.
     __device__ __forceinline__ void apply_norm(float (&sum_sq)[kTiles]) {
 #pragma unroll
@@ -139,11 +118,11 @@ struct StepX {
     }
 };
 
-// Eight m16n8k16 per token tile, one per group, alternating kChains accumulators.
+// Eight m16n8k16 per token tile, one per group.
 // The lane's 8 groups' nibbles: those of piece t from the first word, of piece t + 4 from the second.
-template <typename T, int kTiles, int kChains, bool kNorm>
+template <typename T, int kTiles, bool kNorm>
 __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX<T, kTiles, kNorm>& sx, int t,
-                                              float (&acc)[kTiles][kChains][4]) {
+                                              float (&acc)[kTiles][4]) {
     uint32_t m[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) m[r] = __byte_perm(sw.mw[r][0], sw.mw[r][1], (t & 1) ? 0x7632 : 0x5410);
@@ -159,7 +138,7 @@ __device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX
         }
 #pragma unroll
         for (int tile = 0; tile < kTiles; ++tile)
-            mma_m16n8k16<T>(acc[tile][j % kChains], a, sx.xw[tile][2 * j], sx.xw[tile][2 * j + 1]);
+            mma_m16n8k16<T>(acc[tile], a, sx.xw[tile][2 * j], sx.xw[tile][2 * j + 1]);
     }
 }
 
@@ -206,7 +185,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
     if (warp < steps) w_now.load(arrays[0], warp, t);
     wait_for_previous_kernel();
 
-    float acc[kRowTiles][kTiles][1][4] = {};
+    float acc[kRowTiles][kTiles][4] = {};
     float sum_sq[kTiles] = {};
     for (int step = warp; step < steps; step += kBlockWarps) {
         StepX<T, kTiles, kNorm> x_now;
@@ -218,7 +197,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
             const bool last = r == kRowTiles - 1;
             if (!last || step + kBlockWarps < steps)
                 w_next.load(arrays[last ? 0 : r + 1], last ? step + kBlockWarps : step, t);
-            multiply_step<T, kTiles, 1, kNorm>(w_now, x_now, t, acc[r]);
+            multiply_step<T, kTiles, kNorm>(w_now, x_now, t, acc[r]);
             w_now = w_next;
         }
     }
@@ -230,7 +209,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
         for (int r = 0; r < kRowTiles; ++r)
 #pragma unroll
             for (int tile = 0; tile < kTiles; ++tile) {
-                const float* c = acc[r][tile][0];
+                const float* c = acc[r][tile];
                 partial[warp - 1][r][tile][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
             }
     if constexpr (kNorm) {
@@ -247,16 +226,16 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
 #pragma unroll
     for (int r = 0; r < kRowTiles; ++r) {
         const int row = rows[r];
-        float (&c)[kTiles][1][4] = acc[r];
+        float (&c)[kTiles][4] = acc[r];
 #pragma unroll
         for (int i = 0; i < kBlockWarps - 1; ++i)
 #pragma unroll
             for (int tile = 0; tile < kTiles; ++tile) {
                 const float4 p = partial[i][r][tile][lane_id];
-                c[tile][0][0] += p.x;
-                c[tile][0][1] += p.y;
-                c[tile][0][2] += p.z;
-                c[tile][0][3] += p.w;
+                c[tile][0] += p.x;
+                c[tile][1] += p.y;
+                c[tile][2] += p.z;
+                c[tile][3] += p.w;
             }
         // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1 of its tile.
 #pragma unroll
@@ -267,7 +246,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
                 if (token >= tokens) continue;
                 float scale = 1.0f;
                 if constexpr (kNorm) scale = rms_scale(sum_sq_part, token, k, eps);
-                const float lo_sum = c[tile][0][j] * scale, hi_sum = c[tile][0][2 + j] * scale;
+                const float lo_sum = c[tile][j] * scale, hi_sum = c[tile][2 + j] * scale;
                 if constexpr (kSiluMul) {
                     if (row < inter) out[(int64_t)token * inter + row] = from_float<T>(silu_times(lo_sum, hi_sum));
                     continue;
@@ -276,131 +255,6 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
                 if (row < n) out[lo] = from_float<T>(lo_sum + (accumulate ? to_float(out[lo]) : 0.0f));
                 if (row + 8 < n) out[hi] = from_float<T>(hi_sum + (accumulate ? to_float(out[hi]) : 0.0f));
             }
-    }
-}
-
-// One to four tokens with the norm fused (the decode step's qkv and gate_up projections): a persistent grid of at
-// most two blocks per SM, each block walking its tiles (blockIdx.x, + gridDim.x, ...). The block first stages
-// g * x of its tokens in shared memory with their sums of squares, once instead of per step and per lane; a
-// warp's steps of consecutive tiles then form one stream, the next step's weights loaded while one multiplies,
-// across tile boundaries. At each tile's end the warps hand their partials to warp 0 through double-buffered
-// shared memory, which writes the tile's outputs.
-constexpr int kStagedRowPad = 4;             // words after each staged row: rows g and g + 1 start 4 banks apart
-constexpr int kMaxStagedBytes = 40 * 1024;   // with the static arrays, under the 48 KB that needs no opt-in
-
-template <typename T, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, 2)
-    sparse24_gemv_staged_norm_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta,
-                                     const T* __restrict__ x, const T* __restrict__ norm_weight, T* __restrict__ out,
-                                     int tokens, int n, int k, int chunks, float eps, int num_tiles) {
-    allow_dependents_to_launch();
-    const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane_id >> 2, t = lane_id & 3;
-    const int inter = n / 2;
-    const int steps = (chunks + kStepChunks - 1) / kStepChunks;
-    const int warp_steps = warp < steps ? (steps - warp + kWarps - 1) / kWarps : 0;  // a warp's steps per tile
-    const int my_tiles = (int)blockIdx.x < num_tiles ? (num_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-    const int64_t value_pieces = 2 * (int64_t)chunks;
-    const int x_words = k / 2;
-
-    // The lane's rows of the tile of item j (tile j / warp_steps of this block, step warp + (j % warp_steps) * 8);
-    // rows past the end re-read the last.
-    LaneArrays arrays;
-    arrays.chunks = chunks;
-    auto point_at_item = [&](int j) {
-        const int tile = (int)blockIdx.x + (j / warp_steps) * (int)gridDim.x;
-        const int row = kSiluMul ? tile * 8 + g : tile * kTileRows + g;
-        const int lo = kSiluMul ? min(row, inter - 1) : min(row, n - 1);
-        const int hi = kSiluMul ? inter + lo : min(row + 8, n - 1);
-        arrays.values[0] = reinterpret_cast<const uint4*>(values) + lo * value_pieces;
-        arrays.values[1] = reinterpret_cast<const uint4*>(values) + hi * value_pieces;
-        arrays.meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)lo * chunks;
-        arrays.meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)hi * chunks;
-        return warp + (j % warp_steps) * kWarps;
-    };
-    const int items = warp_steps * my_tiles;
-    StepWeights w_now, w_next;
-    if (items > 0) w_now.load(arrays, point_at_item(0), t);
-    wait_for_previous_kernel();
-
-    __shared__ float4 partial[2][kWarps - 1][32];
-    __shared__ float sum_sq_part[kWarps][8];
-    extern __shared__ uint4 staged_x[];  // `tokens` rows of x_words + kStagedRowPad words
-    uint32_t* staged = reinterpret_cast<uint32_t*>(staged_x);
-    const int row_words = x_words + kStagedRowPad;
-    {
-        const int vectors = x_words / 4;  // x_words % 4 == 0 on this path (k % 8 == 0)
-        float sq[kSparse24StagedTokens] = {};
-        for (int i = threadIdx.x; i < tokens * vectors; i += kWarps * 32) {
-            const int token = i / vectors, v = i % vectors;
-            uint4 xv = load_coherent_16B(reinterpret_cast<const uint32_t*>(x) + (int64_t)token * x_words + 4 * v);
-            const uint4 gv = load_readonly_16B(reinterpret_cast<const uint32_t*>(norm_weight) + 4 * v);
-            uint32_t* xs = &xv.x;
-            const uint32_t* gs = &gv.x;
-            float sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = pair_to_float2<T>(xs[j]);
-                sum = fmaf(f.x, f.x, fmaf(f.y, f.y, sum));
-                xs[j] = multiply_pairs<T>(xs[j], gs[j]);
-            }
-#pragma unroll
-            for (int tok = 0; tok < kSparse24StagedTokens; ++tok)
-                if (tok == token) sq[tok] += sum;
-            *reinterpret_cast<uint4*>(staged + token * row_words + 4 * v) = xv;
-        }
-#pragma unroll
-        for (int tok = 0; tok < kSparse24StagedTokens; ++tok) {
-            float sum = sq[tok];
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-            if (lane_id == 0) sum_sq_part[warp][tok] = sum;
-        }
-    }
-    __syncthreads();
-    const uint32_t* staged_rows[1] = {staged + (g < tokens ? g : 0) * row_words};
-
-    int j = 0;
-    for (int tile_index = 0; tile_index < my_tiles; ++tile_index) {
-        const int tile = (int)blockIdx.x + tile_index * (int)gridDim.x;
-        const int row = kSiluMul ? tile * 8 + g : tile * kTileRows + g;
-        float acc[1][2][4] = {};
-        for (int s = 0; s < warp_steps; ++s, ++j) {
-            const int step = warp + s * kWarps;
-            if (j + 1 < items) w_next.load(arrays, point_at_item(j + 1), t);
-            StepX<T, 1, true> x_step;
-            x_step.load_shared(staged_rows, x_words, step, t);
-            multiply_step<T, 1, 2, true>(w_now, x_step, t, acc);
-            w_now = w_next;
-        }
-
-        const int buf = tile_index & 1;
-        float c[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) c[i] = acc[0][0][i] + acc[0][1][i];
-        if (warp > 0) partial[buf][warp - 1][lane_id] = make_float4(c[0], c[1], c[2], c[3]);
-        __syncthreads();
-        if (warp > 0) continue;
-#pragma unroll
-        for (int i = 0; i < kWarps - 1; ++i) {
-            const float4 p = partial[buf][i][lane_id];
-            c[0] += p.x, c[1] += p.y, c[2] += p.z, c[3] += p.w;
-        }
-        // mma accumulator layout: lane (g, t) holds rows g and g + 8 for tokens 2t and 2t + 1.
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-            const int token = 2 * t + jj;
-            if (token >= tokens) continue;
-            const float scale = rms_scale(sum_sq_part, token, k, eps);
-            if constexpr (kSiluMul) {
-                if (row < inter)
-                    out[(int64_t)token * inter + row] = from_float<T>(silu_times(c[jj] * scale, c[2 + jj] * scale));
-                continue;
-            }
-            const int64_t lo = (int64_t)token * n + row;
-            if (row < n) out[lo] = from_float<T>(c[jj] * scale);
-            if (row + 8 < n) out[lo + 8] = from_float<T>(c[2 + jj] * scale);
-        }
     }
 }
 
@@ -463,17 +317,6 @@ struct GemvArgs {
 template <typename T, int kTiles, bool kNorm, bool kSiluMul>
 void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
-    if constexpr (kTiles == 1 && kNorm) {
-        const int staged_bytes = a.tokens * (a.k / 2 + kStagedRowPad) * 4;
-        if (a.tokens <= kSparse24StagedTokens && !a.fusion.accumulate && staged_bytes <= kMaxStagedBytes) {
-            const int grid = std::min(tiles, 2 * multiprocessors(current_device()));
-            launch_with_pdl(sparse24_gemv_staged_norm_kernel<T, kSiluMul>, dim3((unsigned)grid), dim3(kWarps * 32),
-                            staged_bytes, a.stream, true, static_cast<const T*>(a.values), a.meta,
-                            static_cast<const T*>(a.x), static_cast<const T*>(a.fusion.norm_weight),
-                            static_cast<T*>(a.out), a.tokens, a.n, a.k, a.chunks, a.fusion.eps, tiles);
-            return;
-        }
-    }
     auto launch = [&](auto kernel, int blocks, int warps) {
         launch_with_pdl(kernel, dim3((unsigned)blocks), dim3(warps * 32), 0, a.stream, true,
                         static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
