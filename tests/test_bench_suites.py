@@ -70,7 +70,7 @@ def attention_stand_ins():
 
 def ksmm_stand_ins():
     grid = [{"pattern": "(1,64,64,1)", "tokens": tokens, "speedup": 1.5, "factor_mb": 8.0, "pct_copy": 80.0,
-             "path": "gemv", "minfer_ms": 0.01, "rows_ms": 0.02, "best": "bmm"} for tokens in ksmm_suite.BATCHES]
+             "path": "gemv", "minfer_ms": 0.01, "rows_ms": 0.02, "wgmma_ms": None, "best": "bmm"} for tokens in ksmm_suite.BATCHES]
     e2e = [{"format": fmt, "decode_tok_s": 100.0, "prefill_ms": 10.0} for fmt in ("dense", ksmm_suite.KS_PRESET)]
     wgmma = [{"pattern": "(4,1024,1024,1)", "tokens": 512, "wgmma_us": 9.0, "speedup": 1.7},
              {"pattern": "(4,1024,1024,1)", "tokens": 64, "threshold": True, "ring_us": 5.0, "wgmma_us": 4.0}]

@@ -10,7 +10,9 @@ tokens. A case whose x, y or factor would pass MAX_CASE_BYTES is left out. Basel
 - bmm: x permuted to (a·d, B, c), one bmm against the factor stored pre-permuted as (a·d, c, b), y permuted
   back: the seed's bmm algorithm with both permutation copies timed.
 minfer is a one-factor KS weight's forward (on the wgmma kernel a d > 1 factor reads its per-l W copy, built
-at the warm-up, and gathers x into its batch-major order first). A case is a win when minfer is at least
+at the warm-up, and gathers x into its batch-major order first). Below KSMM_WGMMA_MIN_TOKENS the same forward
+is also timed with the wgmma kernel allowed (ops.ksmm_wgmma_from), where its plan takes the factor, and at 2-16
+tokens the rows kernel: the evidence for the routing. A case is a win when minfer is at least
 WIN_SPEEDUP times faster than the best baseline. At B = 1 the kernel's GB/s (factor, x and y bytes) is given
 against the copy rate.
 End to end: the random-weight model dense and with monarch-50 chains on all 7 projections, on minfer's kernels:
@@ -57,7 +59,7 @@ COLUMNS = {
     "grid": [report.Column(*c) for c in [
         ("pattern", "pattern (a,b,c,d)"), ("tokens", "B"), ("factor_mb", "factor MB", "{:.1f}"),
         ("path", "kernel"), ("minfer_ms", "minfer ms", "{:.4f}"), ("rows_ms", "rows ms", "{:.4f}"),
-        ("dense_ms", "dense ms", "{:.4f}"),
+        ("wgmma_ms", "wgmma ms", "{:.4f}"), ("dense_ms", "dense ms", "{:.4f}"),
         ("einsum_ms", "einsum ms", "{:.4f}"), ("bmm_ms", "bmm ms", "{:.4f}"), ("best", "best torch"),
         ("speedup", "vs best", "{:.2f}x"), ("tflops", "TFLOP/s", "{:.1f}"), ("pct_copy", "% copy", "{:.1f}")]],
     "summary": [report.Column(*c) for c in [
@@ -129,6 +131,13 @@ def time_case(pattern: Pattern, tokens: int, dtype: torch.dtype, reps: int, copy
     # the CUDA-core rows kernel where gemv is the auto choice (2..16 tokens): the evidence for that choice
     row["rows_ms"] = (time_graph(lambda i: ops.ksmm_tuned(xs[i], factors[i], out, path="rows"), copies, reps)
                       if row["path"] == "gemv" and ops.ksmm_kernel_takes("rows", pattern, tokens) else None)
+    # the format's forward with the wgmma kernel allowed from this batch on, below KSMM_WGMMA_MIN_TOKENS: the
+    # evidence for that threshold
+    row["wgmma_ms"] = None
+    if tokens > 1 and not ops.ksmm_wgmma_batch(tokens) and wgmma_runs():
+        with ops.ksmm_wgmma_from(tokens):
+            if layers[0].wgmma_plan(xs[0])[0] is not None:
+                row["wgmma_ms"] = time_graph(lambda i: layers[i](xs[i]), copies, reps)
     dense_bytes = (a * b * d) * (a * c * d) * size
     if dense_bytes <= MAX_DENSE_BYTES:
         dense_copies = rotation_count(dense_bytes + x_bytes)
