@@ -252,7 +252,7 @@ def test_fused_factor_refusals():
 def test_wgmma_reference_is_the_factor_in_both_orders(pattern, following):
     """The wgmma kernel's oracle (ops.ksmm_wgmma_reference) on the factor's batch-major input and per-l groups
     is ops.ksmm_reference, in the natural order or a next factor's batch-major order; ops.ksmm_wgmma on the CPU
-    is that reference; to_batch_major and from_batch_major are inverses."""
+    is that reference; to_batch_major and from_batch_major are inverses, and transpose_blocks is each of them."""
     from minfer import ops
 
     a, b, c, d = pattern
@@ -267,6 +267,8 @@ def test_wgmma_reference_is_the_factor_in_both_orders(pattern, following):
         expected = ops.to_batch_major(expected, next_c, next_d)
     x_batch_major = ops.to_batch_major(x, c, d)
     assert torch.equal(ops.from_batch_major(x_batch_major, c, d), x)
+    assert torch.equal(ops.transpose_blocks(x, c, d), x_batch_major)
+    assert torch.equal(ops.transpose_blocks(x_batch_major, d, c), x)
     groups = ops.ksmm_groups(factor)
     assert torch.equal(groups[1 % (a * d)], factor[(1 % (a * d)) // d, :, :, (1 % (a * d)) % d])
     got = ops.ksmm_wgmma_reference(x_batch_major, groups, d, next_c, next_d)
@@ -293,8 +295,11 @@ def test_wgmma_refusals_and_cpu_plan():
     with ops.ksmm_wgmma_from(None):
         assert not ops.ksmm_wgmma_batch(1 << 20)
     # a gather into the batch-major order pays for large groups only
-    assert ops.ksmm_wgmma_gathers(256, 1024) and ops.ksmm_wgmma_gathers(2048, 512)
-    assert not ops.ksmm_wgmma_gathers(256, 256) and not ops.ksmm_wgmma_gathers(260, 1024)
+    assert ops.ksmm_wgmma_gathers(256, 1024, 4) and ops.ksmm_wgmma_gathers(2048, 512, 2)
+    assert not ops.ksmm_wgmma_gathers(256, 256, 4) and not ops.ksmm_wgmma_gathers(260, 1024, 4)
+    assert ops.ksmm_wgmma_gathers(256, 256, 16) and not ops.ksmm_wgmma_gathers(64, 64, 64)
+    assert ops.ksmm_wgmma_factor(4, 8 << 20) and not ops.ksmm_wgmma_factor(3, 8 << 20)
+    assert not ops.ksmm_wgmma_factor(16, (8 << 20) - 1) and ops.ksmm_wgmma_factor(17, 0)
 
 
 @pytest.mark.parametrize("patterns", CHAINS, ids=str)

@@ -144,8 +144,10 @@ requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 
 # (pattern, the next factor's (c, d) or None): d = 1, 3, 4 with odd a, b and c partial tiles (b = 136, 200; c not a
 # multiple of the 64-wide k block), outputs into the natural order and into a next factor's batch-major order.
+# d >= 4 into the natural order runs the GEMMs into the batch-major order and a block transpose.
 WGMMA_CASES = [((3, 40, 24, 1), None), ((1, 136, 200, 1), None), ((4, 64, 64, 1), (64, 4)), ((3, 40, 24, 1), (8, 15)),
-               ((1, 64, 96, 4), None), ((3, 24, 72, 3), None), ((3, 24, 72, 3), (72, 3)), ((2, 200, 40, 4), (40, 20))]
+               ((1, 64, 96, 4), None), ((3, 24, 72, 3), None), ((3, 24, 72, 3), (72, 3)), ((2, 200, 40, 4), (40, 20)),
+               ((2, 48, 16, 16), None)]
 
 
 def wgmma_problem(pattern, following, tokens, dtype, seed=0):
@@ -180,6 +182,38 @@ def test_wgmma_under_the_sanitizer(case, tokens):
     """Memcheck and racecheck cases: the stage ring over partial tiles, both output orders."""
     x, groups, order, expected = wgmma_problem(*case, tokens, torch.bfloat16)
     assert rel_error(ops.ksmm_wgmma(x, groups, *order), expected) < TOLERANCE[torch.bfloat16]
+
+
+# (matrices, rows, cols): the kernel with the long side rows or cols, whole matrices a tile (several, one), a
+# partial last tile, one short element, the longest short side; then shapes it leaves to the ATen copy.
+TRANSPOSE_SHAPES = [(37, 24, 4), (3, 64, 64), (5, 4, 1000), (6, 1000, 4), (2, 3, 5000), (2, 5000, 3), (4, 8, 1),
+                    (3, 1, 16), (9, 16, 2048), (2, 2048, 16), (1, 1032, 1024), (2, 130, 70), (4, 7, 9)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES, ids=str)
+def test_transpose_blocks_is_the_permutation(shape, dtype):
+    matrices, rows, cols = shape
+    x = torch.randn(matrices, rows * cols, device="cuda").to(dtype)
+    assert torch.equal(ops.transpose_blocks(x, rows, cols), ops.transpose_blocks_reference(x, rows, cols))
+
+
+@pytest.mark.racecheck
+@pytest.mark.memcheck_skip
+def test_transpose_blocks_opcheck_and_refusals():
+    x = torch.randn(6, 600, dtype=torch.float16, device="cuda")
+    out = torch.empty_like(x)
+    torch.ops.minfer.ksmm_transpose_blocks(x, 24, 25, out)
+    assert torch.equal(out, ops.transpose_blocks_reference(x, 24, 25))
+    torch.library.opcheck(torch.ops.minfer.ksmm_transpose_blocks, (x, 24, 25, out))
+    with pytest.raises(RuntimeError, match="do not tile"):
+        torch.ops.minfer.ksmm_transpose_blocks(x, 7, 25, out)
+    with pytest.raises(RuntimeError, match="must not overlap"):
+        torch.ops.minfer.ksmm_transpose_blocks(x, 24, 25, x)
+    misaligned = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].view_as(x).copy_(x)
+    assert torch.equal(ops.transpose_blocks(misaligned, 24, 25), out)  # left to the ATen copy
+    with pytest.raises(FormatError, match="do not tile"):
+        ops.transpose_blocks(x, 7, 25)
 
 
 @requires_sm90

@@ -63,6 +63,10 @@ void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int
 // [tokens][groups*b] when next_d == 1, else to that position's place in the batch-major order of a next
 // factor (a', b', next_c, next_d) of the chain. The permutations live in the TMA coordinates and the store
 // addresses: no permutation pass.
+// From this d on, a d > 1 factor with next_d == 1 runs its GEMMs into the batch-major order (whole 16-byte
+// stores) and one block-transpose pass moves y to the natural order: the stride-d stores wrote a sector per
+// output, 1.3-12x slower than the two passes at d = 4 .. 64 on the H200 (docs/perf-notes.md).
+constexpr int kKsmmWgmmaTransposeMinD = 4;
 bool ksmm_wgmma_available();
 // Whether the kernel takes the shape: an sm_90 GPU and a 9.0a build, b and c multiples of kKsmmWgmmaMultiple,
 // x, w and y 16-byte aligned, int32 indices.
@@ -74,5 +78,12 @@ bool ksmm_wgmma_supports(int64_t tokens, int64_t groups, int64_t b, int64_t c, c
 const char* launch_ksmm_wgmma(const void* x, const void* w, void* y, int64_t tokens, int64_t groups, int64_t b,
                               int64_t c, int64_t d, int64_t next_c, int64_t next_d, int tile_n, DType dtype,
                               cudaStream_t stream);
+
+// out [matrices][cols][rows] = in [matrices][rows][cols] transposed, 16-bit elements, both contiguous and not
+// overlapping: a factor's natural order <-> its batch-major order (rows, cols = c, d or d, c per token and i).
+// Takes a long side (rows or cols) that is a multiple of 8 with the other at most 1024, 16-byte aligned tensors.
+bool ksmm_transpose_blocks_supports(int64_t rows, int64_t cols, const void* in, const void* out);
+void launch_ksmm_transpose_blocks(const void* in, void* out, int64_t matrices, int64_t rows, int64_t cols,
+                                  cudaStream_t stream);
 
 }  // namespace minfer

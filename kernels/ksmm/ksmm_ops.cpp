@@ -1,5 +1,6 @@
 // KS factor products (ksmm.h): the binding checks the tensors and forwards raw pointers.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "common/torch_binding.h"
 #include "ksmm/ksmm.h"
@@ -82,6 +83,32 @@ void ksmm_gemv(const at::Tensor& x, const at::Tensor& factor, at::Tensor& out,
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// out = x with each of its contiguous [rows][cols] blocks transposed (ksmm.h, launch_ksmm_transpose_blocks): x and
+// out contiguous 16-bit tensors of one shape, not overlapping, their element count a multiple of rows * cols.
+void transpose_blocks_into(const at::Tensor& x, at::Tensor& out, int64_t rows, int64_t cols, const char* op) {
+    check_cuda_contiguous(x, "x");
+    check_cuda_contiguous(out, "out");
+    MINFER_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
+                 ": x must be float16 or bfloat16, got ", x.scalar_type());
+    MINFER_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && out.device() == x.device(), op,
+                 ": out must have x's shape, dtype and device");
+    MINFER_CHECK(rows >= 1 && cols >= 1 && rows <= INT32_MAX && cols <= INT32_MAX && x.numel() % (rows * cols) == 0,
+                 op, ": blocks of ", rows, " x ", cols, " do not tile ", x.numel(), " elements");
+    MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No, op, ": out must not overlap x");
+    const c10::cuda::CUDAGuard guard(x.device());
+    if (!minfer::ksmm_transpose_blocks_supports(rows, cols, x.data_ptr(), out.data_ptr())) {
+        out.copy_(x.view({-1, rows, cols}).transpose(1, 2).reshape(x.sizes()));  // shapes no KS kernel path makes
+        return;
+    }
+    minfer::launch_ksmm_transpose_blocks(x.data_ptr(), out.data_ptr(), x.numel() / (rows * cols), rows, cols,
+                                         current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void ksmm_transpose_blocks(const at::Tensor& x, int64_t rows, int64_t cols, at::Tensor& out) {
+    transpose_blocks_into(x, out, rows, cols, "minfer.ksmm_transpose_blocks");
+}
+
 // A factor as groups of GEMMs on the sm_90a wgmma kernel (ksmm.h, launch_ksmm_wgmma): x [T, G*c] (a d > 1
 // factor's batch-major order), groups [G, b, c] (the factor, or its per-l layout), out [T, G*b] in the factor's
 // natural order (next_d == 1) or the batch-major order of a next factor with that (c, d); `op` names the caller.
@@ -115,11 +142,15 @@ void run_ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& o
                  "GPU and a 9.0a build, b and c multiples of ", minfer::kKsmmWgmmaMultiple,
                  ", 16-byte aligned x, groups and out)");
     const c10::cuda::CUDAGuard guard(x.device());
-    const char* error =
-        minfer::launch_ksmm_wgmma(x.data_ptr(), groups.data_ptr(), out.data_ptr(), tokens, g, b, c, d, next_c, next_d,
-                                  static_cast<int>(tile_n), dtype_of(groups), current_stream());
+    // From kKsmmWgmmaTransposeMinD the GEMMs write the batch-major order [T][a][d][b] and one pass transposes it.
+    const bool transposed = d >= minfer::kKsmmWgmmaTransposeMinD && next_d == 1;
+    at::Tensor grouped = transposed ? at::empty_like(out) : out;
+    const char* error = minfer::launch_ksmm_wgmma(
+        x.data_ptr(), groups.data_ptr(), grouped.data_ptr(), tokens, g, b, c, transposed ? 1 : d, next_c, next_d,
+        static_cast<int>(tile_n), dtype_of(groups), current_stream());
     MINFER_CHECK(error == nullptr, op, ": ", error);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (transposed) transpose_blocks_into(grouped, out, d, b, op);
 }
 
 void ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& out, int64_t d, int64_t next_c,
@@ -147,9 +178,9 @@ at::Tensor ksmm_wgmma_chain(const at::Tensor& x, at::TensorList groups, at::IntA
             const int64_t inputs = flat.size(1);
             MINFER_CHECK(gather_c >= 1 && gather_d >= 1 && inputs % (gather_c * gather_d) == 0, op, ": factor ", i,
                          "'s gather (c, d) = (", gather_c, ", ", gather_d, ") does not divide its ", inputs, " inputs");
-            const int64_t blocks = inputs / (gather_c * gather_d);  // not -1: a 0-token x could not infer it
-            flat = flat.reshape({tokens, blocks, gather_c, gather_d}).transpose(2, 3).contiguous();
-            flat = flat.view({tokens, inputs});
+            at::Tensor gathered = at::empty_like(flat);
+            transpose_blocks_into(flat.contiguous(), gathered, gather_c, gather_d, op);
+            flat = gathered;
         }
         const at::Tensor& weights = groups[i];
         MINFER_CHECK(weights.dim() == 3, op, ": groups[", i, "] must be a 3-D [G, b, c] tensor, got ",
@@ -170,6 +201,7 @@ TORCH_LIBRARY_FRAGMENT(minfer, m) {
           "bool accumulate=False, bool silu_mul=False) -> ()");
     m.def("ksmm_wgmma(Tensor x, Tensor groups, Tensor(a!) out, int d, int next_c, int next_d, int tile_n=0) -> ()");
     m.def("ksmm_wgmma_chain(Tensor x, Tensor[] groups, int[] plan) -> Tensor");
+    m.def("ksmm_transpose_blocks(Tensor x, int rows, int cols, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
@@ -178,4 +210,5 @@ TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
     m.impl("ksmm_gemv", &ksmm_gemv);
     m.impl("ksmm_wgmma", &ksmm_wgmma);
     m.impl("ksmm_wgmma_chain", &ksmm_wgmma_chain);
+    m.impl("ksmm_transpose_blocks", &ksmm_transpose_blocks);
 }

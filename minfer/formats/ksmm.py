@@ -9,10 +9,11 @@ the last entry is K_1 (it writes the output); the matrix is W = K_1 ... K_L.
 On a GPU under minfer's kernels, forward runs one fused kernel per factor (ops.ksmm, kernels/ksmm: the
 stride-d gather and scatter in place, fp32 sums) for fp16/bf16 chains, the intermediates rounded to that
 dtype between factors; elsewhere it is the pure-PyTorch reference (one einsum per factor, fp32 intermediates).
-From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS (17) tokens (ops.ksmm_wgmma_batch) on an sm_90 GPU, the chain's
-factors whose b and c the wgmma kernel takes run it (ops.ksmm_wgmma). A d > 1 factor reads x in its
-batch-major order (ops.to_batch_major), which the factor before it writes when that one runs the kernel too,
-and which is gathered by a copy otherwise (large groups only: ops.ksmm_wgmma_gathers); it reads its W in
+From minfer.ops.ksmm.KSMM_WGMMA_MIN_TOKENS (17) tokens, and for factors of 8 MB from 4 tokens
+(ops.ksmm_wgmma_factor), on an sm_90 GPU, the chain's factors whose b and c the wgmma kernel takes run it
+(ops.ksmm_wgmma). A d > 1 factor reads x in its batch-major order (ops.to_batch_major), which the factor before
+it writes when that one runs the kernel too, and which is gathered by a block transpose otherwise
+(ops.transpose_blocks; large or many groups only: ops.ksmm_wgmma_gathers); it reads its W in
 the per-l layout [a·d, b, c] (ops.ksmm_groups), a copy built at the first such prefill and counted in nbytes.
 A chain whose factors all run that kernel is one op (ops.ksmm_wgmma_chain, the gathers inside): one dispatch
 per projection, as a 512-token prefill took as long to enqueue as to run (docs/perf-notes.md, 2026-11-28).
@@ -135,26 +136,31 @@ class KSWeight(WeightFormat):
 
     def wgmma_plan(self, flat: torch.Tensor) -> list[tuple[int, int, int, bool] | None]:
         """Per factor, for the chain input `flat`: None where the factor runs ops.ksmm, else the (d, next_c,
-        next_d, gather) it runs ops.ksmm_wgmma with. For batches ops.ksmm_wgmma_batch takes, the wgmma kernel
-        runs the factors of its shapes (a d = 1 factor when 16-byte aligned). A factor followed by a d > 1 one
+        next_d, gather) it runs ops.ksmm_wgmma with. For batches ops.ksmm_wgmma_factor takes for it, the wgmma
+        kernel runs a factor of its shapes (a d = 1 factor when 16-byte aligned). A factor followed by a d > 1 one
         that runs the kernel writes that one's batch-major order (next_c, next_d), otherwise its natural order
         (1, 1); `gather`: a d > 1 factor whose input is in the natural order (the chain's first, or after a
         factor on ops.ksmm) has it copied into its batch-major order first, where that pays
         (ops.ksmm_wgmma_gathers)."""
-        runs = ops.ksmm_wgmma_batch(flat.shape[0]) and ops.ksmm_wgmma_takes(flat)
+        runs = ops.ksmm_wgmma_takes(flat)
         patterns = self.patterns
         on: list[bool] = []
         gathers: list[bool] = []
-        for factor, (_, b, c, d) in zip(self.factors, patterns):
+        for factor, batch, (a, b, c, d) in zip(self.factors, self._wgmma_batch(flat), patterns):
             gathers.append(d > 1 and not (on and on[-1]))
-            takes = ops.ksmm_wgmma_gathers(b, c) if gathers[-1] else ops.ksmm_wgmma_shape(b, c)
-            on.append(runs and takes and (d > 1 or factor.data_ptr() % 16 == 0))
+            takes = ops.ksmm_wgmma_gathers(b, c, a * d) if gathers[-1] else ops.ksmm_wgmma_shape(b, c)
+            on.append(runs and batch and takes and (d > 1 or factor.data_ptr() % 16 == 0))
         plan: list[tuple[int, int, int, bool] | None] = []
         for index, (_, _, _, d) in enumerate(patterns):
             following = index + 1 < len(on) and on[index + 1] and patterns[index + 1][3] > 1
             next_c, next_d = patterns[index + 1][2:] if following else (1, 1)
             plan.append((d, next_c, next_d, gathers[index]) if on[index] else None)
         return plan
+
+    def _wgmma_batch(self, flat: torch.Tensor) -> tuple[bool, ...]:
+        """Per factor, whether the batch of `flat` is one it runs the wgmma kernel for (ops.ksmm_wgmma_factor)."""
+        tokens = flat.shape[0]
+        return tuple(ops.ksmm_wgmma_factor(tokens, f.numel() * f.element_size()) for f in self.factors)
 
     def prefill_steps(self, flat: torch.Tensor) -> PrefillSteps:
         """What forward runs on `flat`: per factor (factor, None, None) for ops.ksmm, or (groups, order, gather)
@@ -164,7 +170,7 @@ class KSWeight(WeightFormat):
         dtype, 16-byte alignment) and the factors' storage and versions: built per call, it cost a 512-token
         prefill more host time than its factors take on the GPU (docs/perf-notes.md, 2026-11-28)."""
         factors = self.factors
-        key = (ops.ksmm_wgmma_batch(flat.shape[0]), flat.device, flat.dtype, flat.data_ptr() % 16 == 0,
+        key = (self._wgmma_batch(flat), flat.device, flat.dtype, flat.data_ptr() % 16 == 0,
                [(factor.data_ptr(), factor._version) for factor in factors])
         if self._steps is None or self._steps[0] != key:
             steps = []
@@ -251,7 +257,7 @@ class KSWeight(WeightFormat):
                     flat = ops.ksmm(flat, weights)
                     continue
                 if gather is not None:
-                    flat = ops.to_batch_major(flat, *gather).contiguous()
+                    flat = ops.transpose_blocks(flat, *gather)
                 flat = ops.ksmm_wgmma_planned(flat, weights, *order)
             return flat.reshape(*x.shape[:-1], self.out_features)
         compute = torch.promote_types(x.dtype, torch.float32)

@@ -19,10 +19,18 @@ KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
 # monarch-50 factors (docs/perf-notes.md, 2026-11-28).
 KSMM_WGMMA_MIN_TOKENS: int | None = 17
 KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
+# Below KSMM_WGMMA_MIN_TOKENS, from this many tokens, the wgmma kernel runs the factors of at least this many bytes:
+# at 4-16 tokens the H200 timed it 1.0-3.6x the gemv kernel on the grid's d = 1 factors from 8 MB, 0.5-1.0x below
+# (docs/perf-notes.md, 2026-11-28).
+KSMM_WGMMA_LARGE_FACTOR_MIN_TOKENS = 4
+KSMM_WGMMA_LARGE_FACTOR_BYTES = 8 << 20
 # A d > 1 factor whose x must first be gathered into its batch-major order runs the wgmma kernel from this
-# many weights per group (b·c): the H200 grid timed gather + wgmma 1.0-3.2x the ring tiles from 256 x 1024 on and
-# 0.3-0.9x below (docs/perf-notes.md, 2026-11-28).
+# many weights per group (b·c), or from KSMM_WGMMA_GATHER_MANY_MIN_GROUP with at least KSMM_WGMMA_GATHER_MANY_GROUPS
+# groups (a·d): the H200 grid timed gather + wgmma 1.0-3.2x the ring tiles from 256 x 1024 on, and with the block
+# transposes 1.2-4.1x on 256 x 256 groups from 16 groups, 0.3-0.9x on the others (docs/perf-notes.md, 2026-11-28).
 KSMM_WGMMA_GATHER_MIN_GROUP = 256 * 1024
+KSMM_WGMMA_GATHER_MANY_GROUPS = 16
+KSMM_WGMMA_GATHER_MANY_MIN_GROUP = 64 * 1024
 KSMM_WGMMA_TILES = (0, 64, 128, 192, 256)  # kernels/ksmm/ksmm_wgmma.cu: outputs per tile, 0 by shape
 # kernels/ksmm/ksmm.h, KsmmPath: "auto" picks by tokens and pattern; the others force one kernel.
 KSMM_PATHS = {"auto": 0, "generic": 1, "rows": 2, "tensor-core": 3, "gemv": 4, "wgmma": 5}
@@ -34,10 +42,14 @@ def ksmm_wgmma_shape(b: int, c: int) -> bool:
     return b >= 1 and c >= 1 and b % KSMM_WGMMA_MULTIPLE == 0 and c % KSMM_WGMMA_MULTIPLE == 0
 
 
-def ksmm_wgmma_gathers(b: int, c: int) -> bool:
-    """Whether a d > 1 factor whose x is in its natural order runs the wgmma kernel after a gather of x into
-    its batch-major order: groups of at least KSMM_WGMMA_GATHER_MIN_GROUP weights that ksmm_wgmma_shape takes."""
-    return ksmm_wgmma_shape(b, c) and b * c >= KSMM_WGMMA_GATHER_MIN_GROUP
+def ksmm_wgmma_gathers(b: int, c: int, groups: int) -> bool:
+    """Whether a d > 1 factor of `groups` (a·d) groups whose x is in its natural order runs the wgmma kernel after a
+    gather of x into its batch-major order: groups that ksmm_wgmma_shape takes, of at least
+    KSMM_WGMMA_GATHER_MIN_GROUP weights, or of KSMM_WGMMA_GATHER_MANY_MIN_GROUP when there are many."""
+    least = KSMM_WGMMA_GATHER_MIN_GROUP
+    if groups >= KSMM_WGMMA_GATHER_MANY_GROUPS:
+        least = min(least, KSMM_WGMMA_GATHER_MANY_MIN_GROUP)
+    return ksmm_wgmma_shape(b, c) and b * c >= least
 
 
 def _on_sm90() -> bool:
@@ -73,6 +85,15 @@ def ksmm_path(pattern: tuple[int, int, int, int], tokens: int) -> str:
 def ksmm_wgmma_batch(tokens: int) -> bool:
     """Whether a batch of `tokens` is one the wgmma kernel runs (KSMM_WGMMA_MIN_TOKENS)."""
     return KSMM_WGMMA_MIN_TOKENS is not None and tokens >= KSMM_WGMMA_MIN_TOKENS
+
+
+def ksmm_wgmma_factor(tokens: int, factor_bytes: int) -> bool:
+    """Whether a batch of `tokens` runs a factor of `factor_bytes` on the wgmma kernel where it takes the shape:
+    every factor from KSMM_WGMMA_MIN_TOKENS, the large ones (KSMM_WGMMA_LARGE_FACTOR_BYTES) from
+    KSMM_WGMMA_LARGE_FACTOR_MIN_TOKENS; none when KSMM_WGMMA_MIN_TOKENS is None."""
+    return ksmm_wgmma_batch(tokens) or (KSMM_WGMMA_MIN_TOKENS is not None
+                                        and tokens >= KSMM_WGMMA_LARGE_FACTOR_MIN_TOKENS
+                                        and factor_bytes >= KSMM_WGMMA_LARGE_FACTOR_BYTES)
 
 
 @contextlib.contextmanager
@@ -226,6 +247,29 @@ def from_batch_major(x: torch.Tensor, c: int, d: int) -> torch.Tensor:
     """The inverse of to_batch_major."""
     tokens = x.shape[0]
     return x.reshape(tokens, -1, d, c).transpose(2, 3).reshape(tokens, -1)
+
+
+def transpose_blocks_reference(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """x with each of its consecutive [rows, cols] blocks (in x's flat order) transposed to [cols, rows]."""
+    return x.reshape(-1, rows, cols).transpose(1, 2).reshape(x.shape)
+
+
+@fake_impl("minfer::ksmm_transpose_blocks")
+def _transpose_blocks_fake(x, rows, cols, out):
+    return None
+
+
+def transpose_blocks(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """transpose_blocks_reference into a new tensor: to_batch_major(x, c, d) is transpose_blocks(x, c, d) and
+    from_batch_major(x, c, d) is transpose_blocks(x, d, c). One pass of the ksmm_transpose_blocks kernel for
+    float16 / bfloat16 on minfer's kernels (contiguous x), the reference elsewhere."""
+    if rows < 1 or cols < 1 or x.numel() % (rows * cols):
+        raise FormatError(f"transpose_blocks: blocks of {rows} x {cols} do not tile {x.numel()} elements")
+    if use_kernels(x) and x.dtype in KSMM_DTYPES and x.numel() > 0:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        torch.ops.minfer.ksmm_transpose_blocks(x.contiguous(), rows, cols, out)
+        return out
+    return transpose_blocks_reference(x, rows, cols).contiguous()
 
 
 def ksmm_groups(factor: torch.Tensor) -> torch.Tensor:
