@@ -1,5 +1,6 @@
-"""2:4 sparse weights: the layout byte for byte, refusals, N:M pruning, and the GEMV and decompression
-kernels against float64 at odd sizes, fused against unfused, opcheck and graph capture."""
+"""2:4 sparse weights: the layout byte for byte (the GEMV's metadata order word for word), refusals, N:M pruning,
+and the GEMV and decompression kernels against float64 at odd sizes, fused against unfused, opcheck and graph
+capture."""
 
 import pytest
 import torch
@@ -8,9 +9,11 @@ from minfer import ops
 from minfer.errors import FormatError, MinferError
 from minfer.formats import FORMATS
 from minfer.formats import sparse24 as sparse24_format
+from minfer.ops import sparse24 as sparse24_ops
 from minfer.sparsity import prune_to_structure_
 from tests.conftest import requires_cuda
 from tests.numerics import fused_linear_reference64, rel_error
+from tests.test_kernel_limits import constants
 
 Sparse24 = FORMATS["2:4"]
 DTYPES = [torch.float16, torch.bfloat16]
@@ -89,12 +92,52 @@ def test_gemv_reference_path_on_cpu_with_fusions():
     x = torch.randn(3, 44, dtype=torch.float16)
     g = torch.rand(44, dtype=torch.float16) + 0.5
     residual = torch.randn(3, 10, dtype=torch.float16)
-    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, residual.clone(), norm_weight=g, eps=1e-5, accumulate=True)
+    arrays = (fmt.values, fmt.meta, fmt.gemv_metadata())
+    out = ops.sparse24_gemv(x, *arrays, residual.clone(), norm_weight=g, eps=1e-5, accumulate=True)
     assert rel_error(out, fused_linear_reference64(x, w, g, 1e-5, residual)) < 2e-3
     with pytest.raises(FormatError, match="1..16 tokens"):
-        ops.sparse24_gemv(torch.randn(17, 44, dtype=torch.float16), fmt.values, fmt.meta)
+        ops.sparse24_gemv(torch.randn(17, 44, dtype=torch.float16), *arrays)
     with pytest.raises(FormatError, match="K=100"):
-        ops.sparse24_gemv(torch.randn(1, 100, dtype=torch.float16), fmt.values, fmt.meta)
+        ops.sparse24_gemv(torch.randn(1, 100, dtype=torch.float16), *arrays)
+
+
+def gemv_metadata_by_loops(meta: torch.Tensor) -> list[list[list[list[int]]]]:
+    """The GEMV metadata order word by word: [R8][S][8][4], word [b][step][g][t] of row 8 b + g holding half t % 2
+    of meta words 4 step + t // 2 (low 16 bits) and 4 step + t // 2 + 2 (high), padding 0x44444444."""
+    rows, words = meta.shape
+    row_groups, steps = -(-rows // 8), -(-words // 4)
+
+    def half(row: int, word: int, t: int) -> int:
+        value = int(meta[row, word]) & 0xFFFFFFFF if row < rows and word < words else 0x44444444
+        return (value >> 16 * (t % 2)) & 0xFFFF
+
+    return [[[[half(8 * b + g, 4 * step + t // 2, t) | half(8 * b + g, 4 * step + t // 2 + 2, t) << 16
+               for t in range(4)] for g in range(8)] for step in range(steps)] for b in range(row_groups)]
+
+
+def test_gemv_metadata_matches_loops_at_odd_sizes():
+    """Rows off the 8-row groups and words off the 4-word steps (columns off 128), and neither."""
+    for rows, cols in ((13, 200), (5, 36), (16, 128), (9, 4104)):
+        meta = Sparse24.from_dense(matrix_24(rows, cols, torch.float32, seed=rows)).meta
+        gemv = ops.sparse24_gemv_metadata(meta)
+        assert gemv.dtype == torch.int32 and gemv.shape == (-(-rows // 8), -(-meta.shape[1] // 4), 8, 4)
+        assert (gemv.long() & 0xFFFFFFFF).tolist() == gemv_metadata_by_loops(meta), (rows, cols)
+
+
+def test_gemv_metadata_constants_match_the_header():
+    found = constants("sparse24/sparse24.h")
+    assert (found["kSparse24GemvRowGroup"], found["kSparse24GemvStepChunks"]) == (
+        sparse24_ops.SPARSE24_GEMV_ROW_GROUP, sparse24_ops.SPARSE24_GEMV_STEP_CHUNKS)
+
+
+def test_gemv_metadata_is_cached_counted_and_rebuilt_when_meta_changes():
+    fmt = Sparse24.from_dense(matrix_24(10, 44))
+    before = fmt.nbytes
+    first = fmt.gemv_metadata()
+    assert fmt.gemv_metadata() is first and fmt.nbytes == before + first.numel() * 4
+    fmt.meta.copy_(Sparse24.from_dense(matrix_24(10, 44, seed=1)).meta)  # a loader filling the buffer in place
+    assert fmt.gemv_metadata() is not first
+    assert torch.equal(fmt.gemv_metadata(), ops.sparse24_gemv_metadata(fmt.meta))
 
 
 # (N, K): N off the 16-row tile; K with a partial last 4-chunk step, steps not a multiple of the 8 warps,
@@ -110,7 +153,7 @@ def test_gemv_matches_float64(n, k, tokens, dtype):
     w = matrix_24(n, k, dtype, "cuda", seed=n + k)
     fmt = Sparse24.from_dense(w)
     x = torch.randn(tokens, k, dtype=dtype, device="cuda")
-    out = ops.sparse24_gemv(x, fmt.values, fmt.meta)
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, fmt.gemv_metadata())
     assert rel_error(out, x.double() @ w.double().T) < TOLERANCE[dtype]
 
 
@@ -128,8 +171,9 @@ def test_fused_epilogues_match_the_unfused_path(n, k, tokens, dtype, fusion):
     g = (torch.rand(k, device="cuda") + 0.5).to(dtype) if fusion.get("norm") else None
     silu_mul = fusion.get("silu_mul", False)
     residual = torch.randn(tokens, n, dtype=dtype, device="cuda") if fusion.get("residual") else None
-    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, None if residual is None else residual.clone(), norm_weight=g,
-                            eps=1e-5, accumulate=residual is not None, silu_mul=silu_mul)
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, fmt.gemv_metadata(),
+                            None if residual is None else residual.clone(), norm_weight=g, eps=1e-5,
+                            accumulate=residual is not None, silu_mul=silu_mul)
     unfused = ops.rms_norm(x, g, 1e-5) if g is not None else x
     unfused = unfused.double() @ w.double().T
     if silu_mul:
@@ -161,8 +205,9 @@ def test_gemv_blocks_of_8_warps(tokens, fusion):
     x = torch.randn(tokens, k, dtype=torch.float16, device="cuda")
     g = (torch.rand(k, device="cuda") + 0.5).half() if fusion.get("norm") else None
     residual = torch.randn(tokens, n, dtype=torch.float16, device="cuda") if fusion.get("residual") else None
-    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, None if residual is None else residual.clone(), norm_weight=g,
-                            eps=1e-5, accumulate=residual is not None, silu_mul=silu_mul)
+    out = ops.sparse24_gemv(x, fmt.values, fmt.meta, fmt.gemv_metadata(),
+                            None if residual is None else residual.clone(), norm_weight=g, eps=1e-5,
+                            accumulate=residual is not None, silu_mul=silu_mul)
     expected = fused_linear_reference64(x, w, g, 1e-5, residual, silu_mul, round_scaled_x=True)
     assert rel_error(out, expected) < 2 * TOLERANCE[torch.float16]
 
@@ -189,6 +234,21 @@ def test_decompress_kernel_matches_the_reference(n, k, dtype):
 
 
 @requires_cuda
+@pytest.mark.memcheck
+def test_gemv_metadata_kernel_matches_the_reference():
+    """The kernel builder against the tensor-op one at odd sizes; the GEMV refuses a gemv_meta of other rows."""
+    for rows, cols in ((13, 200), (70, 203), (300, 4104), (8, 128)):
+        meta = Sparse24.from_dense(matrix_24(rows, cols, device="cuda", seed=rows)).meta
+        assert torch.equal(ops.sparse24_gemv_metadata(meta).cpu(), ops.sparse24_gemv_metadata(meta.cpu()))
+    fmt = Sparse24.from_dense(matrix_24(16, 96, device="cuda"))
+    x = torch.randn(1, 96, dtype=torch.float16, device="cuda")
+    out = torch.empty(1, 16, dtype=torch.float16, device="cuda")
+    other_rows = Sparse24.from_dense(matrix_24(24, 96, device="cuda")).gemv_metadata()
+    with pytest.raises(RuntimeError, match=r"gemv_meta must be int32 \[2, 1, 8, 4\]"):
+        torch.ops.minfer.sparse24_gemv(x, fmt.values, fmt.meta, other_rows, out)
+
+
+@requires_cuda
 @pytest.mark.racecheck
 def test_sublayer_chain_in_cuda_graph():
     """The o projection adds into the residual; the next qkv projection reads it with the norm fused, in one
@@ -201,10 +261,12 @@ def test_sublayer_chain_in_cuda_graph():
     g = torch.rand(k, dtype=torch.float16, device="cuda") + 0.5
     out = torch.empty(2, n, dtype=torch.float16, device="cuda")
     start = residual.clone()
+    first_arrays = (first.values, first.meta, first.gemv_metadata())  # built before the capture, as the engine's
+    second_arrays = (second.values, second.meta, second.gemv_metadata())  # eager warm-up step does
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ops.sparse24_gemv(x, first.values, first.meta, residual, accumulate=True)
-        ops.sparse24_gemv(residual, second.values, second.meta, out, norm_weight=g, eps=1e-5)
+        ops.sparse24_gemv(x, *first_arrays, residual, accumulate=True)
+        ops.sparse24_gemv(residual, *second_arrays, out, norm_weight=g, eps=1e-5)
     residual.copy_(start)
     graph.replay()
     torch.cuda.synchronize()
@@ -222,12 +284,14 @@ def test_opcheck(tokens):
     x = torch.randn(tokens, 96, dtype=torch.float16, device="cuda")
     g = torch.rand(96, dtype=torch.float16, device="cuda") + 0.5
     out = torch.empty(tokens, 64, dtype=torch.float16, device="cuda")
-    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default, (x, fmt.values, fmt.meta, out))
-    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default, (x, fmt.values, fmt.meta, out, g, 1e-5, True))
+    arrays = (fmt.values, fmt.meta, fmt.gemv_metadata())
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default, (x, *arrays, out))
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default, (x, *arrays, out, g, 1e-5, True))
     torch.library.opcheck(torch.ops.minfer.sparse24_gemv.default,
-                          (x, fmt.values, fmt.meta, out[:, :32].contiguous(), g, 1e-5, False, True))
+                          (x, *arrays, out[:, :32].contiguous(), g, 1e-5, False, True))
     dense = torch.empty(64, 96, dtype=torch.float16, device="cuda")
     torch.library.opcheck(torch.ops.minfer.sparse24_decompress.default, (fmt.values, fmt.meta, dense))
+    torch.library.opcheck(torch.ops.minfer.sparse24_gemv_metadata.default, (fmt.meta,))
 
 
 # ---- the prefill GEMM (sm_90, wgmma.mma_async.sp) and its metadata order ----

@@ -5,8 +5,9 @@
 // One block per two 16-row tiles (with silu_mul: a tile is 8 gate rows and their 8 up rows); its warps take
 // interleaved steps along K. A warp step is 4 chunks of 32 columns (8 16-byte value pieces per row):
 // lane (g, t) reads pieces t and t + 4 of rows g and g + 8, so each load instruction of a warp covers
-// 64 contiguous bytes of a row (whole 32-byte sectors), with the two metadata words those pieces need
-// and the matching 16 words of token g's x (tokens 8..15: a second mma tile). Group j of the lane's
+// 64 contiguous bytes of a row (whole 32-byte sectors), with one metadata word per row holding those pieces'
+// nibbles (gemv_meta, sparse24.h: a warp's load is 128 contiguous bytes, 8 rows' words for the step) and
+// the matching 16 words of token g's x (tokens 8..15: a second mma tile). Group j of the lane's
 // pieces is one m16n8k16: its slots 0,1 are the lane's k slots 2t, 2t+1 and its slots 2,3 the k slots
 // 2t+8, 2t+9, for A and B alike. The next weights are in flight while a tile multiplies; the warps' partials
 // are reduced in shared memory in a fixed order.
@@ -20,7 +21,7 @@ namespace minfer {
 namespace {
 
 constexpr int kTileRows = 16;
-constexpr int kStepChunks = 4;               // chunks of one row per warp step (lanes t = 0..3)
+constexpr int kGemvMetaStepWords = kSparse24GemvRowGroup * kSparse24GemvStepChunks;  // a step of 8 rows' lanes
 constexpr uint32_t kZeroSlots = 0x44444444u;  // byte selector 4: a byte of the zero operand
 constexpr uint32_t kPaddingMeta = 0x44444444u;  // slots 0, 1 in every group: the encoding of padding
 
@@ -43,11 +44,15 @@ __device__ __forceinline__ uint32_t component(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, metadata words), x of
+// What lane (g, t) reads: rows g and g + 8 of its tile (values as 16-byte pieces, gemv_meta words), x of
 // token g (and g + 8), and the norm weight.
 struct LaneArrays {
     const uint4* values[2];
-    const uint32_t* meta[2];
+    const uint32_t* gemv_meta;
+    // The lane's words of step 0 of its two rows, as offsets: one register each where a pointer takes two (with
+    // pointers the two-token-tile kernels with the norm fused spill at 128). int: gemv_meta's words stay below
+    // 2^31 wherever the values' elements do, which the binding checks.
+    int meta_words[2];
     const uint32_t* x[2];
     const uint32_t* norm;
     int chunks;    // metadata words per row
@@ -55,10 +60,11 @@ struct LaneArrays {
 };
 
 // One warp step covers 16 rows x 128 columns. Its weights, held in registers from load to multiply: 64
-// bytes of values of each of the lane's two rows and their metadata words. Loads past a row's end feed zeros.
+// bytes of values of each of the lane's two rows and their nibbles. Value loads past a row's end feed zeros;
+// gemv_meta holds every step (padding words past the row's end).
 struct StepWeights {
-    uint4 w[2][2];       // [row g, row g + 8][piece t, piece t + 4]
-    uint32_t mw[2][2];   // [row][metadata word of piece t, of piece t + 4]
+    uint4 w[2][2];   // [row g, row g + 8][piece t, piece t + 4]
+    uint32_t mw[2];  // [row]: the nibbles of piece t (low 16 bits) and piece t + 4 (high 16 bits)
 
     __device__ __forceinline__ void load(const LaneArrays& a, int step, int t) {
 #pragma unroll
@@ -68,11 +74,7 @@ struct StepWeights {
                 const int piece = step * 8 + t + 4 * i;
                 w[r][i] = piece < 2 * a.chunks ? load_stream_16B(a.values[r] + piece) : make_uint4(0, 0, 0, 0);
             }
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int word = step * 4 + t / 2 + 2 * i;
-                mw[r][i] = word < a.chunks ? __ldg(a.meta[r] + word) : kPaddingMeta;
-            }
+            mw[r] = __ldg(a.gemv_meta + a.meta_words[r] + step * kGemvMetaStepWords);
         }
     }
 };
@@ -118,21 +120,17 @@ struct StepX {
     }
 };
 
-// Eight m16n8k16 per token tile, one per group.
-// The lane's 8 groups' nibbles: those of piece t from the first word, of piece t + 4 from the second.
+// Eight m16n8k16 per token tile, one per group: group j's nibble is nibble j of the row's metadata word.
 template <typename T, int kTiles, bool kNorm>
-__device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX<T, kTiles, kNorm>& sx, int t,
+__device__ __forceinline__ void multiply_step(const StepWeights& sw, const StepX<T, kTiles, kNorm>& sx,
                                               float (&acc)[kTiles][4]) {
-    uint32_t m[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) m[r] = __byte_perm(sw.mw[r][0], sw.mw[r][1], (t & 1) ? 0x7632 : 0x5410);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         uint32_t a[4];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint32_t pair = component(sw.w[r][j / 4], j % 4);
-            const uint32_t lo = slot_selector((m[r] >> (4 * j)) & 15u), hi = lo >> 16;
+            const uint32_t lo = slot_selector((sw.mw[r] >> (4 * j)) & 15u), hi = lo >> 16;
             a[r] = __byte_perm(pair, 0u, lo);      // slots 0, 1
             a[2 + r] = __byte_perm(pair, 0u, hi);  // slots 2, 3
         }
@@ -150,14 +148,20 @@ constexpr int kRowTiles = 2;
 
 template <typename T, int kTiles, int kBlockWarps, bool kNorm, bool kSiluMul>
 __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
-    sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ meta, const T* __restrict__ x,
-                         const T* __restrict__ norm_weight, T* __restrict__ out, int tokens, int n, int k, int chunks,
-                         float eps, bool accumulate) {
+    sparse24_gemv_kernel(const T* __restrict__ values, const int32_t* __restrict__ gemv_meta,
+                         const T* __restrict__ x, const T* __restrict__ norm_weight, T* __restrict__ out, int tokens,
+                         int n, int k, int chunks, float eps, bool accumulate) {
     allow_dependents_to_launch();
     const int lane_id = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane_id >> 2, t = lane_id & 3;
     const int inter = n / 2;  // kSiluMul: gate rows [0, inter), up rows [inter, n)
     const int64_t value_pieces = 2 * (int64_t)chunks;  // 16-byte pieces of a row of values
+    const int steps = (chunks + kSparse24GemvStepChunks - 1) / kSparse24GemvStepChunks;
+    // The lane's gemv_meta word of a row at step 0: [row / 8][0][row % 8][t].
+    auto first_meta_word = [&](int row) {
+        return row / kSparse24GemvRowGroup * steps * kGemvMetaStepWords +
+               row % kSparse24GemvRowGroup * kSparse24GemvStepChunks + t;
+    };
     int rows[kRowTiles];  // the lane's first row in each row tile
     LaneArrays arrays[kRowTiles];
 #pragma unroll
@@ -168,8 +172,9 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
         const int hi = kSiluMul ? inter + lo : min(rows[r] + 8, n - 1);
         arrays[r].values[0] = reinterpret_cast<const uint4*>(values) + lo * value_pieces;
         arrays[r].values[1] = reinterpret_cast<const uint4*>(values) + hi * value_pieces;
-        arrays[r].meta[0] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)lo * chunks;
-        arrays[r].meta[1] = reinterpret_cast<const uint32_t*>(meta) + (int64_t)hi * chunks;
+        arrays[r].gemv_meta = reinterpret_cast<const uint32_t*>(gemv_meta);
+        arrays[r].meta_words[0] = first_meta_word(lo);
+        arrays[r].meta_words[1] = first_meta_word(hi);
         arrays[r].x_words = k / 2;
 #pragma unroll
         for (int tile = 0; tile < 2; ++tile) {  // lanes past the last token read token 0: their outputs are not stored
@@ -180,7 +185,6 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
         arrays[r].chunks = chunks;
     }
 
-    const int steps = (chunks + kStepChunks - 1) / kStepChunks;
     StepWeights w_now;
     if (warp < steps) w_now.load(arrays[0], warp, t);
     wait_for_previous_kernel();
@@ -197,7 +201,7 @@ __global__ void __launch_bounds__(kBlockWarps * 32, 16 / kBlockWarps)
             const bool last = r == kRowTiles - 1;
             if (!last || step + kBlockWarps < steps)
                 w_next.load(arrays[last ? 0 : r + 1], last ? step + kBlockWarps : step, t);
-            multiply_step<T, kTiles, kNorm>(w_now, x_now, t, acc[r]);
+            multiply_step<T, kTiles, kNorm>(w_now, x_now, acc[r]);
             w_now = w_next;
         }
     }
@@ -307,6 +311,7 @@ __global__ void sparse24_gemv_scalar_kernel(const T* __restrict__ values, const 
 struct GemvArgs {
     const void* values;
     const int32_t* meta;
+    const int32_t* gemv_meta;
     const void* x;
     void* out;
     int tokens, n, k, chunks;
@@ -319,7 +324,7 @@ void launch_mma(const GemvArgs& a) {
     const int tiles = kSiluMul ? ceil_div(a.n / 2, 8) : ceil_div(a.n, kTileRows);
     auto launch = [&](auto kernel, int blocks, int warps) {
         launch_with_pdl(kernel, dim3((unsigned)blocks), dim3(warps * 32), 0, a.stream, true,
-                        static_cast<const T*>(a.values), a.meta, static_cast<const T*>(a.x),
+                        static_cast<const T*>(a.values), a.gemv_meta, static_cast<const T*>(a.x),
                         static_cast<const T*>(a.fusion.norm_weight), static_cast<T*>(a.out), a.tokens, a.n, a.k,
                         a.chunks, a.fusion.eps, a.fusion.accumulate);
     };
@@ -380,13 +385,40 @@ __global__ void sparse24_decompress_kernel(const uint32_t* __restrict__ pairs, c
     }
 }
 
+// One thread per gemv_meta word, in its order (the stores coalesce): the byte permute that picks the lane's
+// halves of the row's two meta words.
+__global__ void sparse24_gemv_metadata_kernel(const uint32_t* __restrict__ meta, uint32_t* __restrict__ gemv_meta,
+                                              int64_t rows, int64_t chunks, int64_t steps, int64_t words) {
+    const int64_t index = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (index >= words) return;
+    const int t = (int)(index % kSparse24GemvStepChunks);
+    const int64_t row_group = index / kGemvMetaStepWords / steps, step = index / kGemvMetaStepWords % steps;
+    const int64_t row = row_group * kSparse24GemvRowGroup + index / kSparse24GemvStepChunks % kSparse24GemvRowGroup;
+    auto meta_word = [&](int64_t word) {
+        return row < rows && word < chunks ? __ldg(meta + row * chunks + word) : kPaddingMeta;
+    };
+    const int64_t first = step * kSparse24GemvStepChunks + t / 2;  // piece t's word; piece t + 4's is 2 words on
+    gemv_meta[index] = __byte_perm(meta_word(first), meta_word(first + 2), (t & 1) ? 0x7632 : 0x5410);
+}
+
 }  // namespace
 
-void launch_sparse24_gemv(const void* values, const int32_t* meta, const void* x, void* out, int64_t tokens,
-                          int64_t rows, int64_t cols, DType dtype, const ProjectionFusion& fusion,
-                          cudaStream_t stream) {
+void launch_sparse24_gemv_metadata(const int32_t* meta, int64_t rows, int64_t chunks, int32_t* gemv_meta,
+                                   cudaStream_t stream) {
+    const int64_t steps = (chunks + kSparse24GemvStepChunks - 1) / kSparse24GemvStepChunks;
+    const int64_t row_groups = (rows + kSparse24GemvRowGroup - 1) / kSparse24GemvRowGroup;
+    const int64_t words = row_groups * steps * kGemvMetaStepWords;
+    if (words == 0) return;
+    constexpr int kBlock = 256;
+    sparse24_gemv_metadata_kernel<<<(unsigned)((words + kBlock - 1) / kBlock), kBlock, 0, stream>>>(
+        reinterpret_cast<const uint32_t*>(meta), reinterpret_cast<uint32_t*>(gemv_meta), rows, chunks, steps, words);
+}
+
+void launch_sparse24_gemv(const void* values, const int32_t* meta, const int32_t* gemv_meta, const void* x,
+                          void* out, int64_t tokens, int64_t rows, int64_t cols, DType dtype,
+                          const ProjectionFusion& fusion, cudaStream_t stream) {
     const int chunks = (int)((cols + kSparse24ChunkCols - 1) / kSparse24ChunkCols);
-    const GemvArgs args{values, meta, x, out, (int)tokens, (int)rows, (int)cols, chunks, fusion, stream};
+    const GemvArgs args{values, meta, gemv_meta, x, out, (int)tokens, (int)rows, (int)cols, chunks, fusion, stream};
     switch (dtype) {
         case DType::kFloat16: launch_typed<half>(args); break;
         case DType::kBFloat16: launch_typed<__nv_bfloat16>(args); break;

@@ -1,5 +1,9 @@
-// 2:4 sparse matrices (sparse24.h): the decode GEMV, decompression and the sm_90 prefill GEMM.
-// Each binding checks the tensors and forwards raw pointers to the framework-free launchers.
+// 2:4 sparse matrices (sparse24.h): the decode GEMV and its metadata order, decompression and the sm_90
+// prefill GEMM. Each binding checks the tensors and forwards raw pointers to the framework-free launchers.
+#include <ATen/ops/empty.h>
+
+#include <array>
+
 #include "common/torch_binding.h"
 #include "sparse24/sparse24.h"
 
@@ -24,13 +28,39 @@ void check_sparse24(const at::Tensor& values, const at::Tensor& meta, int64_t co
     MINFER_CHECK(meta.device() == values.device(), op, ": tensors on different devices");
 }
 
-void sparse24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, at::Tensor& out,
-                   const std::optional<at::Tensor>& norm_weight, double eps, bool accumulate, bool silu_mul) {
+// gemv_meta's shape (sparse24.h) for meta [rows, chunks]: [R8, S, 8, 4].
+std::array<int64_t, 4> gemv_meta_shape(int64_t rows, int64_t chunks) {
+    return {(rows + minfer::kSparse24GemvRowGroup - 1) / minfer::kSparse24GemvRowGroup,
+            (chunks + minfer::kSparse24GemvStepChunks - 1) / minfer::kSparse24GemvStepChunks,
+            minfer::kSparse24GemvRowGroup, minfer::kSparse24GemvStepChunks};
+}
+
+at::Tensor sparse24_gemv_metadata(const at::Tensor& meta) {
+    check_cuda_contiguous(meta, "meta");
+    MINFER_CHECK(meta.dim() == 2 && meta.scalar_type() == at::kInt,
+                 "minfer.sparse24_gemv_metadata: meta must be int32 [rows, C32 / 32]");
+    at::Tensor gemv_meta = at::empty(gemv_meta_shape(meta.size(0), meta.size(1)), meta.options());
+    const c10::cuda::CUDAGuard guard(meta.device());
+    minfer::launch_sparse24_gemv_metadata(meta.data_ptr<int32_t>(), meta.size(0), meta.size(1),
+                                          gemv_meta.data_ptr<int32_t>(), current_stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return gemv_meta;
+}
+
+void sparse24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                   const at::Tensor& gemv_meta, at::Tensor& out, const std::optional<at::Tensor>& norm_weight,
+                   double eps, bool accumulate, bool silu_mul) {
     check_cuda_contiguous(x, "x");
     check_cuda_contiguous(out, "out");
     MINFER_CHECK(x.dim() == 2 && out.dim() == 2, "minfer.sparse24_gemv: expects x [T, K] and out [T, N]");
     const int64_t tokens = x.size(0), k = x.size(1), n = values.size(0);
     check_sparse24(values, meta, k, "minfer.sparse24_gemv");
+    check_cuda_contiguous(gemv_meta, "gemv_meta");
+    const std::array<int64_t, 4> gemv_shape = gemv_meta_shape(n, meta.size(1));
+    MINFER_CHECK(gemv_meta.scalar_type() == at::kInt && gemv_meta.sizes().equals(gemv_shape),
+                 "minfer.sparse24_gemv: gemv_meta must be int32 ", c10::IntArrayRef(gemv_shape),
+                 " (ops.sparse24_gemv_metadata(meta)), got ", gemv_meta.scalar_type(), " ", gemv_meta.sizes());
+    MINFER_CHECK(gemv_meta.device() == values.device(), "minfer.sparse24_gemv: gemv_meta on another device");
     MINFER_CHECK(tokens >= 1 && tokens <= minfer::kSparse24MaxTokens, "minfer.sparse24_gemv: takes 1..",
                  minfer::kSparse24MaxTokens, " tokens, got ", tokens);
     MINFER_CHECK(n >= 1, "minfer.sparse24_gemv: the matrix has no rows");
@@ -59,8 +89,9 @@ void sparse24_gemv(const at::Tensor& x, const at::Tensor& values, const at::Tens
     MINFER_CHECK(at::get_overlap_status(x, out) == at::MemOverlapStatus::No,
                  "minfer.sparse24_gemv: out must not overlap x (other blocks still read x while one writes out)");
     const c10::cuda::CUDAGuard guard(values.device());
-    minfer::launch_sparse24_gemv(values.data_ptr(), meta.data_ptr<int32_t>(), x.data_ptr(), out.data_ptr(), tokens, n,
-                                 k, dtype_of(values), fusion, current_stream());
+    minfer::launch_sparse24_gemv(values.data_ptr(), meta.data_ptr<int32_t>(), gemv_meta.data_ptr<int32_t>(),
+                                 x.data_ptr(), out.data_ptr(), tokens, n, k, dtype_of(values), fusion,
+                                 current_stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -124,13 +155,15 @@ void sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minfer, m) {
-    m.def("sparse24_gemv(Tensor x, Tensor values, Tensor meta, Tensor(a!) out, Tensor? norm_weight=None, "
-          "float eps=0.0, bool accumulate=False, bool silu_mul=False) -> ()");
+    m.def("sparse24_gemv_metadata(Tensor meta) -> Tensor");
+    m.def("sparse24_gemv(Tensor x, Tensor values, Tensor meta, Tensor gemv_meta, Tensor(a!) out, "
+          "Tensor? norm_weight=None, float eps=0.0, bool accumulate=False, bool silu_mul=False) -> ()");
     m.def("sparse24_decompress(Tensor values, Tensor meta, Tensor(a!) out) -> ()");
     m.def("sparse24_gemm(Tensor x, Tensor values, Tensor gemm_meta, Tensor(a!) out, str tile=\"auto\") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(minfer, CUDA, m) {
+    m.impl("sparse24_gemv_metadata", &sparse24_gemv_metadata);
     m.impl("sparse24_gemv", &sparse24_gemv);
     m.impl("sparse24_decompress", &sparse24_decompress);
     m.impl("sparse24_gemm", &sparse24_gemm);

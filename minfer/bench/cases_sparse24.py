@@ -32,17 +32,17 @@ def sparse24_bytes(values: torch.Tensor, meta: torch.Tensor, n: int, k: int, tok
 
 
 def sparse24_case(n: int, k: int, tokens: int, dtype: torch.dtype, dense: torch.Tensor) -> KernelCase:
-    arrays = compress(dense)
+    values, meta = compress(dense)
 
     def build(copies):
-        sparse = rotated(arrays, copies)
+        sparse = rotated((values, meta, ops.sparse24_gemv_metadata(meta)), copies)
         dense_copies = rotated((dense,), copies)
         x = torch.randn(tokens, k, device="cuda", dtype=dtype)
         out = torch.empty(tokens, n, device="cuda", dtype=dtype)
         return ((lambda i: ops.sparse24_gemv(x, *sparse[i], out)), (lambda i: F.linear(x, dense_copies[i][0])))
 
     return KernelCase(op="sparse24", shape=f"{n}x{k} t{tokens}", dtype=dtype,
-                      bytes=sparse24_bytes(*arrays, n, k, tokens), flops=n * k * tokens, build=build,
+                      bytes=sparse24_bytes(values, meta, n, k, tokens), flops=n * k * tokens, build=build,
                       baseline="F.linear dense")
 
 

@@ -100,8 +100,7 @@ def ratio(baseline: float | None, ms: float) -> float | None:
 
 
 def decode_row(m: Matrix, tokens: int, copy_gbs: float, replays: int) -> dict:
-    ms = m.time_graph(lambda x, values, meta: ops.sparse24_gemv(x, values, meta), tokens,
-                      (m.fmt.values, m.fmt.meta), replays)
+    ms = m.time_graph(ops.sparse24_gemv, tokens, (m.fmt.values, m.fmt.meta, m.fmt.gemv_metadata()), replays)
     gemv_ms = m.time_graph(ops.gemv, tokens, (m.dense,), replays) if tokens <= ops.GEMV_MAX_TOKENS else None
     cublas_ms = m.time_graph(F.linear, tokens, (m.dense,), replays)
     cusparselt_ms = m.time_cusparselt(tokens, replays)

@@ -3,14 +3,15 @@ consecutive columns of a row, stored as the 2 kept values of each group and a 4-
 
 Decode (1..16 tokens) runs the sparse24 GEMV, which fuses the norm, the MLP activation and the residual add
 as the dense GEMV does. Prefill from GEMM_MIN_TOKENS tokens runs the sparse tensor-core GEMM (ops.sparse24_gemm,
-sm_90, K % 64 == 0, N % 8 == 0), which reads the metadata in its own order: a second copy, built from `meta` at
-its first call and rebuilt when `meta` changes (counted in nbytes once built). Elsewhere prefill decompresses
-blocks of rows into the scratch buffer MACKO's prefill shares and runs dense matmuls, so no dense copy is kept.
+sm_90, K % 64 == 0, N % 8 == 0). The GEMV and the GEMM each read the metadata in their own order: two derived
+copies, each built from `meta` at the first call that needs it and rebuilt when `meta` changes (counted in nbytes
+once built). Elsewhere prefill decompresses blocks of rows into the scratch buffer MACKO's prefill shares and
+runs dense matmuls, so no dense copy is kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -87,23 +88,31 @@ class Sparse24Weight(WeightFormat):
         super().__init__(rows, cols)
         self.register_buffer("values", values)
         self.register_buffer("meta", meta)
-        self._gemm_meta: torch.Tensor | None = None  # the GEMM's order of `meta`, built by gemm_metadata()
-        self._gemm_meta_of: tuple | None = None  # which `meta` it was built from
+        # the kernels' orders of `meta` by builder (ops.sparse24_gemv_metadata, ops.sparse24_gemm_metadata): the
+        # copy and which `meta` it was built from
+        self._meta_copies: dict[Callable[[torch.Tensor], torch.Tensor], tuple[tuple, torch.Tensor]] = {}
+
+    def _meta_copy(self, build: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`build(meta)`, made once per device and contents of `meta` (a loader fills buffers in place, `.to()`
+        moves them)."""
+        source = (self.meta.device, self.meta.data_ptr(), self.meta._version)
+        built = self._meta_copies.get(build)
+        if built is None or built[0] != source:
+            built = self._meta_copies[build] = (source, build(self.meta))
+        return built[1]
+
+    def gemv_metadata(self) -> torch.Tensor:
+        """`meta` in the decode GEMV's order (ops.sparse24_gemv_metadata)."""
+        return self._meta_copy(ops.sparse24_gemv_metadata)
 
     def gemm_metadata(self) -> torch.Tensor:
-        """`meta` in the prefill GEMM's order (ops.sparse24_gemm_metadata), built once per device and contents
-        of `meta` (a loader fills buffers in place, `.to()` moves them)."""
-        source = (self.meta.device, self.meta.data_ptr(), self.meta._version)
-        if self._gemm_meta is None or self._gemm_meta_of != source:
-            self._gemm_meta = ops.sparse24_gemm_metadata(self.meta)
-            self._gemm_meta_of = source
-        return self._gemm_meta
+        """`meta` in the prefill GEMM's order (ops.sparse24_gemm_metadata)."""
+        return self._meta_copy(ops.sparse24_gemm_metadata)
 
     @property
     def nbytes(self) -> int:
-        """The buffers, plus the GEMM's metadata copy once a prefill has built it."""
-        extra = 0 if self._gemm_meta is None else self._gemm_meta.numel() * self._gemm_meta.element_size()
-        return super().nbytes + extra
+        """The buffers, plus the kernels' metadata copies once a decode or a prefill has built them."""
+        return super().nbytes + sum(copy.numel() * copy.element_size() for _, copy in self._meta_copies.values())
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> Sparse24Weight:
@@ -132,7 +141,7 @@ class Sparse24Weight(WeightFormat):
         flat = x.reshape(-1, self.in_features)
         tokens = flat.shape[0]
         if self._runs_kernels(x) and 1 <= tokens <= ops.SPARSE24_GEMV_MAX_TOKENS:
-            out = ops.sparse24_gemv(flat, self.values, self.meta)
+            out = ops.sparse24_gemv(flat, self.values, self.meta, self.gemv_metadata())
         elif self._runs_kernels(x) and tokens > 0:
             out = self._prefill(flat.contiguous())
         else:
@@ -162,8 +171,9 @@ class Sparse24Weight(WeightFormat):
             return super().project(x, norm_weight, eps, residual, silu_mul)
         flat = x.reshape(tokens, self.in_features)
         adds_in_place = residual is not None and residual.is_contiguous()
-        y = ops.sparse24_gemv(flat, self.values, self.meta, residual.view(tokens, -1) if adds_in_place else None,
-                              norm_weight=norm_weight, eps=eps, accumulate=adds_in_place, silu_mul=silu_mul)
+        y = ops.sparse24_gemv(flat, self.values, self.meta, self.gemv_metadata(),
+                              residual.view(tokens, -1) if adds_in_place else None, norm_weight=norm_weight, eps=eps,
+                              accumulate=adds_in_place, silu_mul=silu_mul)
         if adds_in_place:
             return residual
         y = y.view(*x.shape[:-1], y.shape[-1])

@@ -128,6 +128,7 @@ from .sparse24 import (
     sparse24_gemm_reference,
     sparse24_gemm_takes,
     sparse24_gemv,
+    sparse24_gemv_metadata,
     sparse24_meta_from_gemm_metadata,
 )
 from .tokens import argmax, argmax_reference, embedding, embedding_reference
@@ -158,6 +159,6 @@ __all__ = [
     "rms_norm_reference", "rope_write_kv", "rope_write_kv_reference", "silu_mul", "silu_mul_reference",
     "sink_window_decode_attention", "sink_window_decode_attention_reference", "sparse24_decompress",
     "sparse24_decompress_reference", "sparse24_gemm", "sparse24_gemm_metadata", "sparse24_gemm_reference",
-    "sparse24_gemm_takes", "sparse24_gemv", "sparse24_meta_from_gemm_metadata",
+    "sparse24_gemm_takes", "sparse24_gemv", "sparse24_gemv_metadata", "sparse24_meta_from_gemm_metadata",
     "target_arch_list", "unpack_nibbles", "use_kernels",
 ]

@@ -1,7 +1,8 @@
 """2:4 sparse projections (kernels/sparse24): the decode GEMV (1..16 tokens), decompression and the prefill GEMM
 on Hopper's sparse tensor cores, with their references. The arrays are minfer.formats.sparse24's `values`
-[R, C32 / 2] and `meta` [R, C32 / 32] int32 (C32: the columns rounded up to a multiple of 32), and for the GEMM
-the same metadata in its own order (`sparse24_gemm_metadata`); docs/FORMATS.md gives both layouts."""
+[R, C32 / 2] and `meta` [R, C32 / 32] int32 (C32: the columns rounded up to a multiple of 32), and for the GEMV
+and the GEMM the same metadata in their own orders (`sparse24_gemv_metadata`, `sparse24_gemm_metadata`);
+docs/FORMATS.md gives the layouts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from .runtime import fake_impl, is_sm90, use_kernels
 
 SPARSE24_CHUNK_COLS = 32  # kernels/sparse24/sparse24.h, kSparse24ChunkCols: the columns of one metadata word
 SPARSE24_GEMV_MAX_TOKENS = 16  # kernels/sparse24/sparse24.h, kSparse24MaxTokens: two n = 8 mma tiles
+# kernels/sparse24/sparse24.h: the GEMV metadata's row groups (8 rows: one per lane quad) and warp steps (4 words)
+SPARSE24_GEMV_ROW_GROUP = 8
+SPARSE24_GEMV_STEP_CHUNKS = 4
 # kernels/sparse24/sparse24.h: the GEMM metadata's atom (words), its row padding, and the GEMM's K multiple
 SPARSE24_GEMM_ATOM_WORDS = 128
 SPARSE24_GEMM_ROW_MULTIPLE = 256
@@ -72,17 +76,52 @@ def sparse24_decompress(values: torch.Tensor, meta: torch.Tensor, cols: int,
     return out
 
 
+def _gemv_metadata_shape(rows, words) -> tuple[int, int, int, int]:
+    """[R8, S, 8, 4] for `meta` [rows, words] (symbolic sizes too: the fake implementation's)."""
+    return ((rows + SPARSE24_GEMV_ROW_GROUP - 1) // SPARSE24_GEMV_ROW_GROUP,
+            (words + SPARSE24_GEMV_STEP_CHUNKS - 1) // SPARSE24_GEMV_STEP_CHUNKS, SPARSE24_GEMV_ROW_GROUP,
+            SPARSE24_GEMV_STEP_CHUNKS)
+
+
+@fake_impl("minfer::sparse24_gemv_metadata")
+def _gemv_metadata_fake(meta):
+    return meta.new_empty(_gemv_metadata_shape(*meta.shape))
+
+
+def sparse24_gemv_metadata(meta: torch.Tensor) -> torch.Tensor:
+    """`meta` [R, W] in the decode GEMV's order: int32 [R8, S, 8, 4] (R8 = ceil(R / 8), S = ceil(W / 4) warp
+    steps of 128 columns, padding PADDING_WORD). Word [b, step, g, t] is what lane t of the quad of row 8 b + g
+    multiplies at `step`: half t % 2 (bits 16 (t % 2) .. 16 (t % 2) + 15) of word 4 step + t // 2 of the row in
+    its low 16 bits, the same half of word 4 step + t // 2 + 2 in its high 16 bits. The kernel on a GPU, tensor
+    ops elsewhere (the tests' reference)."""
+    if use_kernels(meta):
+        return torch.ops.minfer.sparse24_gemv_metadata(meta.contiguous())
+    rows, words = meta.shape
+    row_groups, steps, group_rows, step_words = _gemv_metadata_shape(rows, words)
+    full = torch.full((row_groups * group_rows, steps * step_words), PADDING_WORD, dtype=torch.int64,
+                      device=meta.device)
+    full[:rows, :words] = meta.to(torch.int64) & 0xFFFFFFFF
+    # word 4 step + 2 i + t // 2 of a row holds lane t's piece t (i = 0) or t + 4 (i = 1)
+    full = full.view(row_groups, group_rows, steps, 2, step_words // 2)  # b, g, step, i, t // 2
+    halves = torch.stack([full & 0xFFFF, full >> 16], dim=-1)  # ..., t % 2
+    lanes = halves[:, :, :, 0] | (halves[:, :, :, 1] << 16)  # b, g, step, t // 2, t % 2
+    lanes = lanes.permute(0, 2, 1, 3, 4).reshape(row_groups, steps, group_rows, step_words)
+    return torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)
+
+
 @fake_impl("minfer::sparse24_gemv")
-def _gemv_fake(x, values, meta, out, norm_weight=None, eps=0.0, accumulate=False, silu_mul=False):
+def _gemv_fake(x, values, meta, gemv_meta, out, norm_weight=None, eps=0.0, accumulate=False, silu_mul=False):
     return None
 
 
-def sparse24_gemv(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out: torch.Tensor | None = None, *,
-                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, accumulate: bool = False,
-                  silu_mul: bool = False) -> torch.Tensor:
+def sparse24_gemv(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, gemv_meta: torch.Tensor,
+                  out: torch.Tensor | None = None, *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  accumulate: bool = False, silu_mul: bool = False) -> torch.Tensor:
     """x @ W.T for decode with W the 2:4 arrays' [N, K] matrix: x [T, K] with 1..16 tokens -> [T, N], fp32
-    accumulation. The fusions of ops.gemv: `norm_weight` multiplies RMSNorm(x) instead of x; `accumulate` adds
-    into `out` in place; `silu_mul` takes W as [gate; up] and returns silu(gate) * up [T, N / 2]."""
+    accumulation. The kernel's tensor-core path reads the metadata as `gemv_meta` (`sparse24_gemv_metadata(meta)`),
+    its scalar path and the reference as `meta`. The fusions of ops.gemv: `norm_weight` multiplies RMSNorm(x)
+    instead of x; `accumulate` adds into `out` in place; `silu_mul` takes W as [gate; up] and returns
+    silu(gate) * up [T, N / 2]."""
     if x.dim() != 2:
         raise FormatError(f"sparse24_gemv takes x [tokens, K], got {tuple(x.shape)}")
     tokens, k = x.shape
@@ -102,7 +141,8 @@ def sparse24_gemv(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, out
     elif out.shape != (tokens, outputs):
         raise FormatError(f"sparse24_gemv: out must be [{tokens}, {outputs}], got {tuple(out.shape)}")
     if use_kernels(x):
-        torch.ops.minfer.sparse24_gemv(x.contiguous(), values, meta, out, norm_weight, eps, accumulate, silu_mul)
+        torch.ops.minfer.sparse24_gemv(x.contiguous(), values, meta, gemv_meta, out, norm_weight, eps, accumulate,
+                                       silu_mul)
     else:
         dense = sparse24_decompress_reference(values, meta, k)
         out.copy_(linear_reference(x, dense, norm_weight, eps, out if accumulate else None, silu_mul))
