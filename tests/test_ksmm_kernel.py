@@ -144,7 +144,8 @@ requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.g
 
 # (pattern, the next factor's (c, d) or None): d = 1, 3, 4 with odd a, b and c partial tiles (b = 136, 200; c not a
 # multiple of the 64-wide k block), outputs into the natural order and into a next factor's batch-major order.
-# d >= 4 into the natural order runs the GEMMs into the batch-major order and a block transpose.
+# d >= 4 into the natural order runs the GEMMs into the batch-major order and a block transpose from tokens * d >=
+# 1024 (at 300 tokens), the stride-d stores below.
 WGMMA_CASES = [((3, 40, 24, 1), None), ((1, 136, 200, 1), None), ((4, 64, 64, 1), (64, 4)), ((3, 40, 24, 1), (8, 15)),
                ((1, 64, 96, 4), None), ((3, 24, 72, 3), None), ((3, 24, 72, 3), (72, 3)), ((2, 200, 40, 4), (40, 20)),
                ((2, 48, 16, 16), None)]

@@ -63,10 +63,12 @@ void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int
 // [tokens][groups*b] when next_d == 1, else to that position's place in the batch-major order of a next
 // factor (a', b', next_c, next_d) of the chain. The permutations live in the TMA coordinates and the store
 // addresses: no permutation pass.
-// From this d on, a d > 1 factor with next_d == 1 runs its GEMMs into the batch-major order (whole 16-byte
-// stores) and one block-transpose pass moves y to the natural order: the stride-d stores wrote a sector per
-// output, 1.3-12x slower than the two passes at d = 4 .. 64 on the H200 (docs/perf-notes.md).
+// A d > 1 factor with next_d == 1, from this d and this tokens * d on, runs its GEMMs into the batch-major order
+// (whole 16-byte stores) and one block-transpose pass moves y to the natural order: the stride-d stores write a
+// sector per output, 1.2-5x slower than the two passes at 512 and 4096 tokens for d = 4 .. 64 on the H200; at 16
+// tokens the pass's launch cost more than it saved up to d = 16 (docs/perf-notes.md, 2026-11-28).
 constexpr int kKsmmWgmmaTransposeMinD = 4;
+constexpr int64_t kKsmmWgmmaTransposeMinTokensD = 1024;
 bool ksmm_wgmma_available();
 // Whether the kernel takes the shape: an sm_90 GPU and a 9.0a build, b and c multiples of kKsmmWgmmaMultiple,
 // x, w and y 16-byte aligned, int32 indices.

@@ -142,8 +142,9 @@ void run_ksmm_wgmma(const at::Tensor& x, const at::Tensor& groups, at::Tensor& o
                  "GPU and a 9.0a build, b and c multiples of ", minfer::kKsmmWgmmaMultiple,
                  ", 16-byte aligned x, groups and out)");
     const c10::cuda::CUDAGuard guard(x.device());
-    // From kKsmmWgmmaTransposeMinD the GEMMs write the batch-major order [T][a][d][b] and one pass transposes it.
-    const bool transposed = d >= minfer::kKsmmWgmmaTransposeMinD && next_d == 1;
+    // Past the ksmm.h thresholds the GEMMs write the batch-major order [T][a][d][b] and one pass transposes it.
+    const bool transposed = next_d == 1 && d >= minfer::kKsmmWgmmaTransposeMinD &&
+                            tokens * d >= minfer::kKsmmWgmmaTransposeMinTokensD;
     at::Tensor grouped = transposed ? at::empty_like(out) : out;
     const char* error = minfer::launch_ksmm_wgmma(
         x.data_ptr(), groups.data_ptr(), grouped.data_ptr(), tokens, g, b, c, transposed ? 1 : d, next_c, next_d,
