@@ -62,11 +62,12 @@ void launch_ksmm_gemv(const void* x, const void* w, void* y, int64_t tokens, int
 // [a][d][b][c]. Output (g, r) of a token goes to the factor's natural position (i*b + r)*d + l of y
 // [tokens][groups*b] when next_d == 1, else to that position's place in the batch-major order of a next
 // factor (a', b', next_c, next_d) of the chain. The permutations live in the TMA coordinates and the store
-// addresses: no permutation pass.
-// A d > 1 factor with next_d == 1, from this d and this tokens * d on, runs its GEMMs into the batch-major order
-// (whole 16-byte stores) and one block-transpose pass moves y to the natural order: the stride-d stores write a
-// sector per output, 1.2-5x slower than the two passes at 512 and 4096 tokens for d = 4 .. 64 on the H200; at 16
-// tokens the pass's launch cost more than it saved up to d = 16 (docs/perf-notes.md, 2026-11-28).
+// addresses. The binding (minfer.ksmm_wgmma) runs a d > 1 factor with next_d == 1, from this d and this
+// tokens * d on, with d = 1 here, its GEMMs into the batch-major order (whole 16-byte stores), then one
+// block-transpose pass (launch_ksmm_transpose_blocks) moves y to the natural order: the stride-d stores write a
+// sector per output; with the passes (and x gathered by the same kernel) the grid's d >= 4 factors on wgmma ran
+// 0.93-11.6x faster at 512 and 4096 tokens on the H200 (median 1.4x); at 16 tokens the pass's launch cost more
+// than it saved up to d = 16 (docs/perf-notes.md, 2026-11-28).
 constexpr int kKsmmWgmmaTransposeMinD = 4;
 constexpr int64_t kKsmmWgmmaTransposeMinTokensD = 1024;
 bool ksmm_wgmma_available();

@@ -20,14 +20,15 @@ KSMM_ROWS_MAX_D = 64  # kernels/ksmm/ksmm.h, kKsmmRowsMaxD
 KSMM_WGMMA_MIN_TOKENS: int | None = 17
 KSMM_WGMMA_MULTIPLE = 8  # kernels/ksmm/ksmm.h, kKsmmWgmmaMultiple: the wgmma kernel's b and c are multiples
 # Below KSMM_WGMMA_MIN_TOKENS, from this many tokens, the wgmma kernel runs the factors of at least this many bytes:
-# at 4-16 tokens the H200 timed it 1.0-3.6x the gemv kernel on the grid's d = 1 factors from 8 MB, 0.5-1.0x below
+# at 4-16 tokens the H200 timed it 0.9-3.6x the gemv kernel on the grid's d = 1 factors from 8 MB, 0.5-1.0x below
 # (docs/perf-notes.md, 2026-11-28).
 KSMM_WGMMA_LARGE_FACTOR_MIN_TOKENS = 4
 KSMM_WGMMA_LARGE_FACTOR_BYTES = 8 << 20
 # A d > 1 factor whose x must first be gathered into its batch-major order runs the wgmma kernel from this
 # many weights per group (b·c), or from KSMM_WGMMA_GATHER_MANY_MIN_GROUP with at least KSMM_WGMMA_GATHER_MANY_GROUPS
 # groups (a·d): the H200 grid timed gather + wgmma 1.0-3.2x the ring tiles from 256 x 1024 on, and with the block
-# transposes 1.2-4.1x on 256 x 256 groups from 16 groups, 0.3-0.9x on the others (docs/perf-notes.md, 2026-11-28).
+# transposes 0.8-4.1x on 256 x 256 groups from 16 groups (2.0-4.1x from d = 16), 0.3-1.9x on smaller or fewer
+# groups (docs/perf-notes.md, 2026-11-28).
 KSMM_WGMMA_GATHER_MIN_GROUP = 256 * 1024
 KSMM_WGMMA_GATHER_MANY_GROUPS = 16
 KSMM_WGMMA_GATHER_MANY_MIN_GROUP = 64 * 1024
