@@ -9,6 +9,13 @@ kernels on a GPU (the torch backend) the token is copied to the host behind each
 
 The SDPA attention path reads the cache up to `kv_len`, a static shape per graph: positions are
 grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its own graph.
+
+The prefill is captured too, once per prompt bucket (`prefill_bucket`): the prompt is padded to the
+bucket's length and the logits are read at its last real token. Causal attention keeps the padding out
+of the prompt's tokens, and the cache rows the padding writes lie past the prompt, where each decode
+step writes its row before any query can see it. An eager prefill enqueues a few hundred kernels from
+Python (about 1,000 for a 32-layer model whose projections are factor chains), which can take longer
+than the GPU needs to run them; a replay enqueues them at once.
 """
 
 from __future__ import annotations
@@ -25,6 +32,14 @@ from .sampling import SamplingParams, sample
 
 KV_BUCKET = 256  # cache positions attended per decode graph are rounded up to a multiple of this
 LOOKAHEAD = 4  # decode steps queued on the GPU ahead of the token the host is reading
+PREFILL_BUCKET = 128  # captured prompt lengths: powers of two up to this, then its multiples
+
+
+def prefill_bucket(tokens: int, max_seq_len: int) -> int:
+    """The length a prompt of `tokens` tokens is padded to for its captured prefill."""
+    if tokens <= PREFILL_BUCKET:
+        return min(max_seq_len, 1 << (tokens - 1).bit_length())
+    return min(max_seq_len, -(-tokens // PREFILL_BUCKET) * PREFILL_BUCKET)
 
 
 @dataclass
@@ -38,7 +53,7 @@ class GenerationStats:
     weight_gb_s: float = 0.0  # weight bytes read per decode step x decode steps per second
     peak_mem_gb: float = 0.0
     graph_capture_ms: float = 0.0  # one-time CUDA-graph setup paid inside this call (not in the above)
-    warmup_ms: float = 0.0  # this Generator's first prefill, run once on a GPU to load kernels (not in the above)
+    warmup_ms: float = 0.0  # eager prefills run once on a GPU to load kernels (not in the above)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,7 +143,9 @@ class Generator:
         # The token hand-off runs in minfer's argmax kernel, or in torch ops on the CPU.
         self._handoff = self.device.type == "cpu" or ops.use_kernels(self._token)
         self._reader = _TokenReader(max_seq_len, self.device, self._handoff)
+        self._last = torch.zeros(1, dtype=torch.int64, device=self.device)  # a padded prompt's last token
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> graph, logits
         self._graphs_table = 0  # the embedding table the graphs read (place_embedding may move it)
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         self._prefill_warm = self.device.type != "cuda"  # kernels load lazily at their first launch
@@ -167,6 +184,31 @@ class Generator:
         with torch.cuda.graph(graph, pool=self._pool):
             self._step(kv_len, params)
         self._graphs[(kv_len, params.kernel_key)] = graph
+
+    # -- prefill ------------------------------------------------------------------------------------
+
+    def _prefill(self, tokens: int, padded: bool) -> torch.Tensor:
+        """Logits [1, 1, V] of the prompt's last token; `padded`: over the first `tokens` positions of the
+        prompt buffer, with the last real token at `_last`."""
+        return self.model(self._prompt[:, :tokens], self.model.positions[:tokens], kv_len=tokens,
+                          last_logits_only=True, last_index=self._last if padded else None)
+
+    def _capture_prefill(self, bucket: int) -> float:
+        """Warm up on a side stream (it loads the kernels of this length and writes cache rows the real
+        prefill rewrites), then capture. Returns the warm-up's milliseconds."""
+        start = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._prefill(bucket, padded=True)
+        side.synchronize()
+        warmup_ms = (time.perf_counter() - start) * 1e3
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._prefill(bucket, padded=True)
+        self._prefill_graphs[bucket] = (graph, logits)
+        return warmup_ms
 
     def _launch_step(self, pos: int, params: SamplingParams) -> None:
         kv_len = self._bucket(pos)
@@ -207,36 +249,35 @@ class Generator:
             return GenerationResult([], "", stats)
 
         cuda = self.device.type == "cuda"
+        bucket = prefill_bucket(n_prompt, self.max_seq_len)
+        self._prompt_host[:n_prompt] = torch.tensor(prompt_ids, dtype=torch.int64)
+        self._prompt[:, :n_prompt].copy_(self._prompt_host[:n_prompt].view(1, -1), non_blocking=True)
+        self._last.fill_(n_prompt - 1)
         if self.use_cuda_graph:
             start = time.perf_counter()
             table = self.model.embed_tokens.weight.data_ptr()
             if table != self._graphs_table:  # graphs hold raw pointers: recapture after a move
                 self._graphs.clear()
+                self._prefill_graphs.clear()
                 self._graphs_table = table
             for pos in range(n_prompt, n_prompt + limit - 1):
                 if (self._bucket(pos), params.kernel_key) not in self._graphs:
                     self._capture(self._bucket(pos), params)
-            stats.graph_capture_ms = (time.perf_counter() - start) * 1e3
-        self._rng.manual_seed(params.seed)
-
-        self._prompt_host[:n_prompt] = torch.tensor(prompt_ids, dtype=torch.int64)
-        prompt = self._prompt[:, :n_prompt]
-        prompt.copy_(self._prompt_host[:n_prompt].view(1, -1), non_blocking=True)
-
-        def prefill() -> torch.Tensor:
-            return self.model(prompt, self.model.positions[:n_prompt], kv_len=n_prompt, last_logits_only=True)
-
-        if not self._prefill_warm:
+            if bucket not in self._prefill_graphs:
+                stats.warmup_ms = self._capture_prefill(bucket)
+            stats.graph_capture_ms = (time.perf_counter() - start) * 1e3 - stats.warmup_ms
+        elif not self._prefill_warm:
             # A first prefill loads the kernels this prompt length selects (lazily, at their first launch)
             # and grows the allocator (llama2-7b, 17 tokens, H100: 108-980 ms as the CLI measured it
             # before this). Paid once per Generator, reported as warmup_ms; a later prompt whose length
             # selects other kernels (GEMV up to 8 tokens, another HGEMM tile) loads those inside its
             # prefill. It writes the cache rows the real prefill rewrites.
             start = time.perf_counter()
-            prefill()
+            self._prefill(n_prompt, padded=False)
             torch.cuda.synchronize(self.device)
             stats.warmup_ms = (time.perf_counter() - start) * 1e3
             self._prefill_warm = True
+        self._rng.manual_seed(params.seed)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -245,7 +286,11 @@ class Generator:
         prefill_start, prefill_end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
         if cuda:
             prefill_start.record()
-        logits = prefill()
+        if self.use_cuda_graph:
+            graph, logits = self._prefill_graphs[bucket]
+            graph.replay()
+        else:
+            logits = self._prefill(n_prompt, padded=False)
         if cuda:
             prefill_end.record()
         else:

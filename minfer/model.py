@@ -297,13 +297,14 @@ class Transformer(nn.Module):
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None,
-                last_logits_only: bool = False) -> torch.Tensor:
+                last_logits_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] at positions input_pos [T] (increasing) -> logits [B, T, V].
 
         Attention reads cache positions [0, kv_len) (default: the whole cache); kv_len must exceed
         every position in input_pos. T == kv_len means a prompt at positions 0..T-1 (plain causal).
         last_logits_only returns logits [B, 1, V] for the last position only (what prefill samples
-        from), skipping the lm_head work for the others.
+        from), skipping the lm_head work for the others; with `last_index` (int64 [1] on the device) the
+        position at that index in T instead, as a prompt padded to a captured length needs.
         """
         if self.rope_cos is None:
             raise MinferError("call setup_caches(max_batch_size, max_seq_len) before running the model")
@@ -313,7 +314,9 @@ class Transformer(nn.Module):
         with self.attention.forward_pass(input_pos, tokens.shape[1], kv_len) as step:
             for layer in self.layers:
                 layer(residual, step, rope)
-        logits = self.lm_head(residual[:, -1:] if last_logits_only else residual, norm=self.norm)
+        if last_logits_only:
+            residual = residual[:, -1:] if last_index is None else residual.index_select(1, last_index)
+        logits = self.lm_head(residual, norm=self.norm)
         return self.sharding.gather_last_dim(logits)
 
 

@@ -52,6 +52,30 @@ def test_decode_matches_recompute_across_kv_buckets(model, monkeypatch):
     assert generator.generate(prompt, max_new_tokens=30).tokens == expected
 
 
+@pytest.mark.parametrize("tokens, expected", [(1, 1), (3, 4), (64, 64), (65, 128), (128, 128), (129, 256),
+                                             (300, 384), (500, 512)])
+def test_prefill_buckets(tokens, expected):
+    assert generate_module.prefill_bucket(tokens, 512) == expected
+    assert generate_module.prefill_bucket(tokens, 200) == min(expected, 200)
+
+
+def test_a_padded_prefill_reads_the_prompt_and_leaves_decode_unchanged(model):
+    """What a captured prefill relies on: the prompt padded past its end gives the same logits at its last
+    token, and the decode steps after it (which write the padded cache rows before reading them) the same."""
+    prompt, padding = [1, 5, 9, 200, 31], [7, 7, 250]
+    outputs = []
+    with torch.inference_mode():
+        for tokens in (prompt, prompt + padding):
+            model.setup_caches(1, 16)
+            last = torch.tensor([len(prompt) - 1])
+            logits = [model(torch.tensor([tokens]), torch.arange(len(tokens)), kv_len=len(tokens),
+                            last_logits_only=True, last_index=last)]
+            for pos, token in enumerate([3, 44, 100], start=len(prompt)):
+                logits.append(model(torch.tensor([[token]]), torch.tensor([pos]), kv_len=16))
+            outputs.append(torch.cat(logits, dim=1))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-4)
+
+
 def test_streams_every_token_in_order(model):
     generator = Generator(model, None, max_seq_len=64, device="cpu")
     generator.eos_id = None

@@ -14,6 +14,7 @@ from minfer.generate import Generator
 from minfer.model import Transformer
 from minfer.sampling import SamplingParams
 from minfer.sparsity import prune_model_
+from minfer.sparsity.factorize import factorize_model
 from tests.conftest import requires_cuda
 
 # Small, but with Llama-2's head size and a vocabulary that is not a multiple of 64.
@@ -69,6 +70,35 @@ def test_graph_decode_equals_eager_decode(params):
     assert ours.stats.decode_tok_s > 0 and ours.stats.peak_mem_gb > 0
     # The first call warms the prefill up once (same cache rows, same tokens); later calls do not.
     assert ours.stats.warmup_ms > 0 and again.stats.warmup_ms == 0
+
+
+def model_in(weights: str) -> Transformer:
+    """The test model on the GPU with its projections in `weights`: a format or a factorization."""
+    if weights == "dense":
+        return gpu_model()
+    if weights == "ksmm":
+        model = gpu_model()
+        factorize_model(model, "monarch-50")
+        return model
+    structure = (2, 4) if weights == "2:4" else None
+    return convert(gpu_model(source=prune_model_(cpu_model(), None if structure else 0.5, structure=structure,
+                                                 progress=False)), weights)
+
+
+@requires_cuda
+@pytest.mark.parametrize("weights, attention", [("dense", "blocksparse"), ("macko", "dense"), ("2:4", "dense"),
+                                                ("ksmm", "dense")])
+@pytest.mark.parametrize("prompt_tokens", [5, 130])  # buckets of 8 and 256: GEMV-sized and GEMM-sized prefills
+def test_captured_prefill_equals_eager_prefill(weights, attention, prompt_tokens):
+    """A prompt padded to its bucket and replayed from a graph gives the tokens of an eager prefill of
+    the prompt alone; a second prompt of the same bucket replays the same graph."""
+    options = {"layout": "sink-window:sink=64,window=128"} if attention == "blocksparse" else None
+    graphed, eager = (Generator(model_in(weights), None, max_seq_len=512, device="cuda", use_cuda_graph=graph,
+                                attention=attention, attention_options=options) for graph in (True, False))
+    graphed.eos_id = eager.eos_id = None
+    for prompt in (PROMPT[:prompt_tokens], PROMPT[2:prompt_tokens + 3]):
+        assert graphed.generate(prompt, max_new_tokens=12).tokens == eager.generate(prompt, max_new_tokens=12).tokens
+    assert list(graphed._prefill_graphs) == [8 if prompt_tokens == 5 else 256]
 
 
 def assert_logits_track(reference: Transformer, model: Transformer) -> None:
