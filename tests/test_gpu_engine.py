@@ -101,6 +101,25 @@ def test_captured_prefill_equals_eager_prefill(weights, attention, prompt_tokens
     assert list(graphed._prefill_graphs) == [8 if prompt_tokens == 5 else 256]
 
 
+@requires_cuda
+def test_a_captured_macko_prefill_keeps_off_the_shared_scratch():
+    """The eager prefill's decompression buffer can be released (or outgrown) while a captured prefill
+    lives; the graph must not write to that address afterwards."""
+    from minfer.formats import macko
+
+    generator = Generator(model_in("macko"), None, max_seq_len=512, device="cuda")
+    generator.eos_id = None
+    first = generator.generate(PROMPT[:130], max_new_tokens=8).tokens
+    scratch = macko._scratch[(torch.device("cuda", torch.cuda.current_device()), torch.float16)]
+    address, size = scratch.data_ptr(), scratch.numel()
+    del scratch
+    macko.release_scratch()
+    other = torch.full((size,), float("nan"), dtype=torch.float16, device="cuda")
+    assert other.data_ptr() == address  # the allocator hands the freed block to the next tensor of its size
+    assert generator.generate(PROMPT[:130], max_new_tokens=8).tokens == first
+    assert torch.isnan(other).all()
+
+
 def assert_logits_track(reference: Transformer, model: Transformer) -> None:
     """The GPU model's prefill and four decode steps stay within 1% of the CPU reference's logits."""
     reference.setup_caches(1, 320)

@@ -119,8 +119,12 @@ def scratch_matrix(rows: int, cols: int, dtype: torch.dtype, device: torch.devic
     """A [rows, cols] view of the one decompression buffer per device and dtype (grown on demand).
 
     Every MACKO layer decompresses blocks of rows into it before its prefill matmuls; stream order
-    keeps each use after the previous matmul.
+    keeps each use after the previous matmul. Under CUDA-graph capture the block comes from the graph's
+    own pool instead: the shared buffer can be replaced or released while a captured prefill still
+    reads its address.
     """
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(rows, cols, dtype=dtype, device=device)
     buffer = _scratch.get((device, dtype))
     if buffer is None or buffer.numel() < rows * cols:
         buffer = torch.empty(rows * cols, dtype=dtype, device=device)
