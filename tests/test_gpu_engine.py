@@ -104,20 +104,16 @@ def test_captured_prefill_equals_eager_prefill(weights, attention, prompt_tokens
 @requires_cuda
 def test_a_captured_macko_prefill_keeps_off_the_shared_scratch():
     """The eager prefill's decompression buffer can be released (or outgrown) while a captured prefill
-    lives; the graph must not write to that address afterwards."""
+    lives, so a replay must not write to it."""
     from minfer.formats import macko
 
     generator = Generator(model_in("macko"), None, max_seq_len=512, device="cuda")
     generator.eos_id = None
-    first = generator.generate(PROMPT[:130], max_new_tokens=8).tokens
+    first = generator.generate(PROMPT[:130], max_new_tokens=8).tokens  # warm-up (eager) and capture
     scratch = macko._scratch[(torch.device("cuda", torch.cuda.current_device()), torch.float16)]
-    address, size = scratch.data_ptr(), scratch.numel()
-    del scratch
-    macko.release_scratch()
-    other = torch.full((size,), float("nan"), dtype=torch.float16, device="cuda")
-    assert other.data_ptr() == address  # the allocator hands the freed block to the next tensor of its size
-    assert generator.generate(PROMPT[:130], max_new_tokens=8).tokens == first
-    assert torch.isnan(other).all()
+    scratch.fill_(float("nan"))
+    assert generator.generate(PROMPT[:130], max_new_tokens=8).tokens == first  # a replay
+    assert torch.isnan(scratch).all()
 
 
 def assert_logits_track(reference: Transformer, model: Transformer) -> None:
