@@ -73,52 +73,38 @@ __global__ void __launch_bounds__(kThreads) transpose_blocks_kernel(const uint16
         }
     };
 
+    // f(i, p) for this thread's pieces p, i-th of kPieces; unrolled, so held[i] stays in registers.
+    auto each_piece = [&](auto&& f) {
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i) {
+            const int p = threadIdx.x + i * kThreads;
+            if (p < pieces) f(i, p);
+        }
+    };
     uint4 held[kPieces];
     if constexpr (kLongMajorIn) {
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
-            const int p = threadIdx.x + i * kThreads;
-            if (p < pieces) held[i] = load_16B(long_major_global(const_cast<uint16_t*>(in), p));
-        }
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
-            const int p = threadIdx.x + i * kThreads;
-            if (p < pieces) store_16B(long_major_staged(p), held[i]);
-        }
+        each_piece([&](int i, int p) { held[i] = load_16B(long_major_global(const_cast<uint16_t*>(in), p)); });
+        each_piece([&](int i, int p) { store_16B(long_major_staged(p), held[i]); });
         __syncthreads();
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
-            const int p = threadIdx.x + i * kThreads;
-            if (p >= pieces) continue;
+        each_piece([&](int, int p) {
             int at[8];
             staged_positions(p, at);
             uint16_t v[8];
 #pragma unroll
             for (int k = 0; k < 8; ++k) v[k] = staged[at[k]];
             store_16B(out + run_start + 8 * p, *reinterpret_cast<const uint4*>(v));
-        }
+        });
     } else {
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
-            const int p = threadIdx.x + i * kThreads;
-            if (p < pieces) held[i] = load_16B(in + run_start + 8 * p);
-        }
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
-            const int p = threadIdx.x + i * kThreads;
-            if (p >= pieces) continue;
+        each_piece([&](int i, int p) { held[i] = load_16B(in + run_start + 8 * p); });
+        each_piece([&](int i, int p) {
             int at[8];
             staged_positions(p, at);
             const uint16_t* v = reinterpret_cast<const uint16_t*>(&held[i]);
 #pragma unroll
             for (int k = 0; k < 8; ++k) staged[at[k]] = v[k];
-        }
+        });
         __syncthreads();
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i) {
-            const int p = threadIdx.x + i * kThreads;
-            if (p < pieces) store_16B(long_major_global(out, p), load_16B(long_major_staged(p)));
-        }
+        each_piece([&](int, int p) { store_16B(long_major_global(out, p), load_16B(long_major_staged(p))); });
     }
 }
 
