@@ -13,9 +13,9 @@ grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its
 The prefill is captured too, once per prompt bucket (`prefill_bucket`): the prompt is padded to the
 bucket's length and the logits are read at its last real token. Causal attention keeps the padding out
 of the prompt's tokens, and the cache rows the padding writes lie past the prompt, where each decode
-step writes its row before any query can see it. An eager prefill enqueues a few hundred kernels from
-Python (about 1,000 for a 32-layer model whose projections are factor chains), which can take longer
-than the GPU needs to run them; a replay enqueues them at once.
+step writes its row before any query can see it. An eager prefill enqueues its kernels one by one from
+Python, which can take longer than the GPU needs to run them (Llama-2-7B's 512-token prefill with KS
+chains or 2:4 weights on an H200); a replay enqueues them at once.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class GenerationStats:
     weight_gb_s: float = 0.0  # weight bytes read per decode step x decode steps per second
     peak_mem_gb: float = 0.0
     graph_capture_ms: float = 0.0  # one-time CUDA-graph setup paid inside this call (not in the above)
-    warmup_ms: float = 0.0  # eager prefills run once on a GPU to load kernels (not in the above)
+    warmup_ms: float = 0.0  # an eager prefill that loads kernels: before a capture, or the first one (not above)
 
     def as_dict(self) -> dict:
         return asdict(self)
