@@ -10,8 +10,9 @@ kernels on a GPU (the torch backend) the token is copied to the host behind each
 The SDPA attention path reads the cache up to `kv_len`, a static shape per graph: positions are
 grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its own graph.
 
-The prefill is captured too, once per prompt bucket (`prefill_bucket`): the prompt is padded to the
-bucket's length and the logits are read at its last real token. Causal attention keeps the padding out
+The prefill is captured too, per prompt bucket (`prefill_bucket`), from the second prompt that falls in
+it (a capture costs about one more eager prefill, so a length seen once stays eager): the prompt is
+padded to the bucket's length and the logits are read at its last real token. Causal attention keeps the padding out
 of the prompt's tokens, and the cache rows the padding writes lie past the prompt, where each decode
 step writes its row before any query can see it. An eager prefill enqueues its kernels one by one from
 Python, which can take longer than the GPU needs to run them (Llama-2-7B's 512-token prefill with KS
@@ -53,7 +54,7 @@ class GenerationStats:
     weight_gb_s: float = 0.0  # weight bytes read per decode step x decode steps per second
     peak_mem_gb: float = 0.0
     graph_capture_ms: float = 0.0  # one-time CUDA-graph setup paid inside this call (not in the above)
-    warmup_ms: float = 0.0  # an eager prefill that loads kernels: before a capture, or the first one (not above)
+    warmup_ms: float = 0.0  # this Generator's first prefill, run once on a GPU to load kernels (not in the above)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -146,6 +147,7 @@ class Generator:
         self._last = torch.zeros(1, dtype=torch.int64, device=self.device)  # a padded prompt's last token
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> graph, logits
+        self._prefill_seen: set[int] = set()  # buckets of the prompts prefilled eagerly so far
         self._graphs_table = 0  # the embedding table the graphs read (place_embedding may move it)
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         self._prefill_warm = self.device.type != "cuda"  # kernels load lazily at their first launch
@@ -193,22 +195,18 @@ class Generator:
         return self.model(self._prompt[:, :tokens], self.model.positions[:tokens], kv_len=tokens,
                           last_logits_only=True, last_index=self._last if padded else None)
 
-    def _capture_prefill(self, bucket: int) -> float:
+    def _capture_prefill(self, bucket: int) -> None:
         """Warm up on a side stream (it loads the kernels of this length and writes cache rows the real
-        prefill rewrites), then capture. Returns the warm-up's milliseconds."""
-        start = time.perf_counter()
+        prefill rewrites), then capture."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._prefill(bucket, padded=True)
-        side.synchronize()
-        warmup_ms = (time.perf_counter() - start) * 1e3
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._prefill(bucket, padded=True)
         self._prefill_graphs[bucket] = (graph, logits)
-        return warmup_ms
 
     def _launch_step(self, pos: int, params: SamplingParams) -> None:
         kv_len = self._bucket(pos)
@@ -263,10 +261,11 @@ class Generator:
             for pos in range(n_prompt, n_prompt + limit - 1):
                 if (self._bucket(pos), params.kernel_key) not in self._graphs:
                     self._capture(self._bucket(pos), params)
-            if bucket not in self._prefill_graphs:
-                stats.warmup_ms = self._capture_prefill(bucket)
-            stats.graph_capture_ms = (time.perf_counter() - start) * 1e3 - stats.warmup_ms
-        elif not self._prefill_warm:
+            if bucket in self._prefill_seen and bucket not in self._prefill_graphs:
+                self._capture_prefill(bucket)
+            stats.graph_capture_ms = (time.perf_counter() - start) * 1e3
+        captured = bucket in self._prefill_graphs
+        if not captured and not self._prefill_warm:
             # A first prefill loads the kernels this prompt length selects (lazily, at their first launch)
             # and grows the allocator (llama2-7b, 17 tokens, H100: 108-980 ms as the CLI measured it
             # before this). Paid once per Generator, reported as warmup_ms; a later prompt whose length
@@ -286,11 +285,13 @@ class Generator:
         prefill_start, prefill_end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if cuda else (None, None)
         if cuda:
             prefill_start.record()
-        if self.use_cuda_graph:
+        if captured:
             graph, logits = self._prefill_graphs[bucket]
             graph.replay()
         else:
             logits = self._prefill(n_prompt, padded=False)
+            if self.use_cuda_graph:
+                self._prefill_seen.add(bucket)
         if cuda:
             prefill_end.record()
         else:

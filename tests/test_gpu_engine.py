@@ -91,12 +91,12 @@ def model_in(weights: str) -> Transformer:
 @pytest.mark.parametrize("prompt_tokens", [5, 130])  # buckets of 8 and 256: GEMV-sized and GEMM-sized prefills
 def test_captured_prefill_equals_eager_prefill(weights, attention, prompt_tokens):
     """A prompt padded to its bucket and replayed from a graph gives the tokens of an eager prefill of
-    the prompt alone; a second prompt of the same bucket replays the same graph."""
+    the prompt alone: the bucket's first prompt runs eagerly, the second captures it, the third replays."""
     options = {"layout": "sink-window:sink=64,window=128"} if attention == "blocksparse" else None
     graphed, eager = (Generator(model_in(weights), None, max_seq_len=512, device="cuda", use_cuda_graph=graph,
                                 attention=attention, attention_options=options) for graph in (True, False))
     graphed.eos_id = eager.eos_id = None
-    for prompt in (PROMPT[:prompt_tokens], PROMPT[2:prompt_tokens + 3]):
+    for prompt in (PROMPT[:prompt_tokens], PROMPT[2:prompt_tokens + 3], PROMPT[:prompt_tokens]):
         assert graphed.generate(prompt, max_new_tokens=12).tokens == eager.generate(prompt, max_new_tokens=12).tokens
     assert list(graphed._prefill_graphs) == [8 if prompt_tokens == 5 else 256]
 
@@ -109,7 +109,8 @@ def test_a_captured_macko_prefill_keeps_off_the_shared_scratch():
 
     generator = Generator(model_in("macko"), None, max_seq_len=512, device="cuda")
     generator.eos_id = None
-    first = generator.generate(PROMPT[:130], max_new_tokens=8).tokens  # warm-up (eager) and capture
+    first = generator.generate(PROMPT[:130], max_new_tokens=8).tokens  # eager
+    assert generator.generate(PROMPT[:130], max_new_tokens=8).tokens == first  # captured
     scratch = macko._scratch[(torch.device("cuda", torch.cuda.current_device()), torch.float16)]
     with torch.inference_mode():  # the buffer was made in the generator's inference mode
         scratch.fill_(float("nan"))
@@ -156,7 +157,8 @@ def test_generation_never_syncs_with_the_host(use_cuda_graph, params):
     pinned memory and events) runs without one synchronizing CUDA call."""
     generator = Generator(gpu_model(), None, max_seq_len=512, device="cuda", use_cuda_graph=use_cuda_graph)
     generator.eos_id = None
-    warm = generator.generate(PROMPT, params, max_new_tokens=24)  # lazy init and graph capture
+    warm = generator.generate(PROMPT, params, max_new_tokens=24)  # lazy init, the decode graphs
+    assert generator.generate(PROMPT, params, max_new_tokens=24).tokens == warm.tokens  # the prefill graph
     with sync_debug_error():
         result = generator.generate(PROMPT, params, max_new_tokens=24)
     assert result.tokens == warm.tokens
