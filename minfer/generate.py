@@ -11,9 +11,11 @@ The SDPA attention path reads the cache up to `kv_len`, a static shape per graph
 grouped in buckets of KV_BUCKET, and each bucket (per sampling setting) gets its own graph.
 
 The prefill is captured too, per prompt bucket (`prefill_bucket`), from the second prompt that falls in
-it (a capture costs about one more eager prefill, so a length seen once stays eager): the prompt is
-padded to the bucket's length and the logits are read at its last real token. Causal attention keeps the padding out
-of the prompt's tokens, and the cache rows the padding writes lie past the prompt, where each decode
+it (a capture costs about one more eager prefill, so a length seen once stays eager). Whenever the
+prefill may be captured (on a GPU, with graphs, under an attention backend whose prefill can be) the
+prompt runs padded to its bucket's length, eager or replayed, so a prompt's logits do not depend on
+which buckets were captured before; they are read at its last real token. Causal attention keeps the
+padding out of the prompt's tokens, and the cache rows the padding writes lie past the prompt, where each decode
 step writes its row before any query can see it. An eager prefill enqueues its kernels one by one from
 Python, which can take longer than the GPU needs to run them (Llama-2-7B's 512-token prefill with KS
 chains or 2:4 weights on an H200); a replay enqueues them at once.
@@ -128,11 +130,13 @@ class Generator:
         self.backend = ops.current_backend()  # graphs and the token hand-off below are made for it
         model.setup_caches(1, max_seq_len, device=self.device, attention=attention,
                            attention_options=attention_options)
-        # Captured graphs hold raw pointers: keep these caches and the attention workspace alive even if
-        # the model gets new ones.
-        self._caches = [layer.self_attn.kv_cache for layer in model.layers]
-        self._attention = model.attention
+        # Captured graphs hold raw pointers: this generator keeps its caches, tables and attention workspace,
+        # and puts the model back on them before each generation (another one may have set up since).
+        self._state = model.cache_state
         self.use_cuda_graph = use_cuda_graph and self.device.type == "cuda"
+        # Prefills run padded to their bucket (prefill_bucket) whenever they may be captured, so a prompt
+        # gives the same logits whether its bucket was captured yet or not.
+        self._padded_prefill = self.use_cuda_graph and model.attention.prefill_capturable
         eos = tokenizer.eos_id if tokenizer is not None else model.config.eos_token_id
         self.eos_id: int | None = eos  # None: never stop early
         # Static decode inputs: the token to feed and its position (advanced by the step itself).
@@ -148,6 +152,7 @@ class Generator:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> graph, logits
         self._prefill_seen: set[int] = set()  # buckets of the prompts prefilled eagerly so far
+        self._prefill_peak: dict[int, int] = {}  # bucket -> peak bytes allocated by its eager prefill
         self._graphs_table = 0  # the embedding table the graphs read (place_embedding may move it)
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graph else None
         self._prefill_warm = self.device.type != "cuda"  # kernels load lazily at their first launch
@@ -231,6 +236,7 @@ class Generator:
                  on_token=None) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`; `on_token(id)` is called as each token
         arrives on the host. Stops at EOS (not returned), max_new_tokens, or the context end."""
+        self.model.use_caches(self._state)
         with ops.backend(self.backend):
             return self._generate(prompt_ids, params, max_new_tokens, on_token)
 
@@ -247,7 +253,7 @@ class Generator:
             return GenerationResult([], "", stats)
 
         cuda = self.device.type == "cuda"
-        bucket = prefill_bucket(n_prompt, self.max_seq_len)
+        bucket = prefill_bucket(n_prompt, self.max_seq_len) if self._padded_prefill else n_prompt
         self._prompt_host[:n_prompt] = torch.tensor(prompt_ids, dtype=torch.int64)
         self._prompt[:, :n_prompt].copy_(self._prompt_host[:n_prompt].view(1, -1), non_blocking=True)
         self._last.fill_(n_prompt - 1)
@@ -261,7 +267,7 @@ class Generator:
             for pos in range(n_prompt, n_prompt + limit - 1):
                 if (self._bucket(pos), params.kernel_key) not in self._graphs:
                     self._capture(self._bucket(pos), params)
-            if bucket in self._prefill_seen and bucket not in self._prefill_graphs:
+            if self._padded_prefill and bucket in self._prefill_seen and bucket not in self._prefill_graphs:
                 self._capture_prefill(bucket)
             stats.graph_capture_ms = (time.perf_counter() - start) * 1e3
         captured = bucket in self._prefill_graphs
@@ -272,7 +278,7 @@ class Generator:
             # selects other kernels (GEMV up to 8 tokens, another HGEMM tile) loads those inside its
             # prefill. It writes the cache rows the real prefill rewrites.
             start = time.perf_counter()
-            self._prefill(n_prompt, padded=False)
+            self._prefill(bucket, self._padded_prefill)
             torch.cuda.synchronize(self.device)
             stats.warmup_ms = (time.perf_counter() - start) * 1e3
             self._prefill_warm = True
@@ -289,9 +295,10 @@ class Generator:
             graph, logits = self._prefill_graphs[bucket]
             graph.replay()
         else:
-            logits = self._prefill(n_prompt, padded=False)
-            if self.use_cuda_graph:
+            logits = self._prefill(bucket, self._padded_prefill)
+            if self._padded_prefill:
                 self._prefill_seen.add(bucket)
+                self._prefill_peak[bucket] = torch.cuda.max_memory_allocated(self.device)
         if cuda:
             prefill_end.record()
         else:
@@ -325,7 +332,9 @@ class Generator:
         stats.new_tokens = len(tokens)
         if cuda:
             stats.prefill_ms = prefill_start.elapsed_time(prefill_end)
-            stats.peak_mem_gb = torch.cuda.max_memory_allocated(self.device) / 1e9
+            # A replay allocates nothing: its activations sit in the graph pool since the eager prefill.
+            stats.peak_mem_gb = max(torch.cuda.max_memory_allocated(self.device),
+                                    self._prefill_peak.get(bucket, 0)) / 1e9
         if last > 0:
             stats.decode_tok_s = last / reader.seconds_since_first(last)
             stats.weight_gb_s = self.model.decode_weight_bytes() * stats.decode_tok_s / 1e9

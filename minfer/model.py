@@ -178,6 +178,19 @@ class Block(nn.Module):
         self.mlp(residual, self.post_attention_layernorm)
 
 
+class CacheState(NamedTuple):
+    """What `Transformer.setup_caches` prepares for generation: the attention backend, one KV cache per layer,
+    the RoPE tables and positions for max_seq_len positions."""
+
+    attention: AttentionBackend
+    kv_caches: list[KVCache]
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    positions: torch.Tensor
+    max_batch_size: int
+    max_seq_len: int
+
+
 class Transformer(nn.Module):
     """Llama decoder. Built on the meta device (no memory); `materialize` allocates it, a loader
     (`minfer.checkpoint`) fills `checkpoint_tensors()`, and `setup_caches` prepares generation.
@@ -205,6 +218,7 @@ class Transformer(nn.Module):
         self.positions: torch.Tensor | None = None  # arange(max_seq_len) on the cache device
         self.attention: AttentionBackend | None = None  # chosen by setup_caches
         self.max_batch_size = self.max_seq_len = 0
+        self.cache_state: CacheState | None = None  # what setup_caches made (or use_caches set) last
 
     def _tie_lm_head(self) -> None:
         if self.config.tie_word_embeddings:
@@ -286,15 +300,23 @@ class Transformer(nn.Module):
         dtype = dtype or self.norm.weight.dtype
         device = torch.device(device or self.norm.weight.device)
         layer_config = self.layer_config  # this rank's heads: its KV cache holds its KV groups only
-        self.attention = attention_class(attention).create(layer_config, max_batch_size, max_seq_len, dtype, device,
-                                                           **(attention_options or {}))
-        for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_batch_size, layer_config.num_kv_heads, max_seq_len,
-                                               layer_config.head_dim, dtype, device)
-            layer.self_attn.backend = self.attention
-        self.rope_cos, self.rope_sin = rope_tables(self.config, max_seq_len, device)
-        self.positions = torch.arange(max_seq_len, device=device)
-        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        backend = attention_class(attention).create(layer_config, max_batch_size, max_seq_len, dtype, device,
+                                                    **(attention_options or {}))
+        caches = [KVCache(max_batch_size, layer_config.num_kv_heads, max_seq_len, layer_config.head_dim, dtype, device)
+                  for _ in self.layers]
+        self.use_caches(CacheState(backend, caches, *rope_tables(self.config, max_seq_len, device),
+                                   torch.arange(max_seq_len, device=device), max_batch_size, max_seq_len))
+
+    def use_caches(self, state: CacheState) -> None:
+        """Run on `state`, made by an earlier setup_caches: a Generator's CUDA graphs hold its addresses, so it
+        puts the model back on its own state before each generation (another one may have set up since)."""
+        self.cache_state = state
+        self.attention = state.attention
+        for layer, cache in zip(self.layers, state.kv_caches, strict=True):
+            layer.self_attn.kv_cache = cache
+            layer.self_attn.backend = state.attention
+        self.rope_cos, self.rope_sin, self.positions = state.rope_cos, state.rope_sin, state.positions
+        self.max_batch_size, self.max_seq_len = state.max_batch_size, state.max_seq_len
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv_len: int | None = None,
                 last_logits_only: bool = False, last_index: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,6 +76,19 @@ def test_a_padded_prefill_reads_the_prompt_and_leaves_decode_unchanged(model):
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-4)
 
 
+def test_each_generator_runs_on_its_own_caches(model):
+    """Setting up another generator (or perplexity) on the model must not move an earlier one's caches:
+    it puts the model back on its own before each generation."""
+    prompt = [1, 5, 9, 200, 31]
+    expected = greedy_without_cache(model, prompt, 40)
+    long_context = Generator(model, None, max_seq_len=64, device="cpu")
+    short_context = Generator(model, None, max_seq_len=16, device="cpu")
+    long_context.eos_id = short_context.eos_id = None
+    assert long_context.generate(prompt, max_new_tokens=40).tokens == expected
+    assert short_context.generate(prompt, max_new_tokens=40).tokens == expected[:11]
+    assert long_context.generate(prompt, max_new_tokens=40).tokens == expected
+
+
 def test_streams_every_token_in_order(model):
     generator = Generator(model, None, max_seq_len=64, device="cpu")
     generator.eos_id = None

@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 
+from minfer import ops
 from minfer.checkpoint import random_init
 from minfer.config import ModelConfig
 from minfer.formats import convert
@@ -91,14 +92,32 @@ def model_in(weights: str) -> Transformer:
 @pytest.mark.parametrize("prompt_tokens", [5, 130])  # buckets of 8 and 256: GEMV-sized and GEMM-sized prefills
 def test_captured_prefill_equals_eager_prefill(weights, attention, prompt_tokens):
     """A prompt padded to its bucket and replayed from a graph gives the tokens of an eager prefill of
-    the prompt alone: the bucket's first prompt runs eagerly, the second captures it, the third replays."""
+    the prompt alone: the bucket's first prompt runs eagerly (padded), the second captures it, the third
+    replays, with the first one's tokens and no lower a peak memory."""
     options = {"layout": "sink-window:sink=64,window=128"} if attention == "blocksparse" else None
     graphed, eager = (Generator(model_in(weights), None, max_seq_len=512, device="cuda", use_cuda_graph=graph,
                                 attention=attention, attention_options=options) for graph in (True, False))
     graphed.eos_id = eager.eos_id = None
+    results = []
     for prompt in (PROMPT[:prompt_tokens], PROMPT[2:prompt_tokens + 3], PROMPT[:prompt_tokens]):
-        assert graphed.generate(prompt, max_new_tokens=12).tokens == eager.generate(prompt, max_new_tokens=12).tokens
+        results.append(graphed.generate(prompt, max_new_tokens=12))
+        assert results[-1].tokens == eager.generate(prompt, max_new_tokens=12).tokens
     assert list(graphed._prefill_graphs) == [8 if prompt_tokens == 5 else 256]
+    assert results[2].tokens == results[0].tokens and results[2].stats.peak_mem_gb >= results[0].stats.peak_mem_gb
+
+
+@requires_cuda
+def test_a_prefill_that_cannot_be_captured_runs_eagerly():
+    """Block-sparse attention's reference path (here under the torch backend) reads its layout on the host:
+    the generator keeps that prefill eager and unpadded."""
+    with ops.backend("torch"):
+        generator = Generator(gpu_model(), None, max_seq_len=512, device="cuda", attention="blocksparse",
+                              attention_options={"layout": "sink-window:sink=64,window=128"})
+    generator.eos_id = None
+    first = generator.generate(PROMPT[:130], max_new_tokens=8).tokens
+    assert generator.generate(PROMPT[:130], max_new_tokens=8).tokens == first
+    assert generator.generate(PROMPT[:130], max_new_tokens=8).tokens == first
+    assert not generator._prefill_graphs and generator._graphs
 
 
 @requires_cuda
@@ -198,7 +217,6 @@ def test_loaded_kernels_cost_no_build_lookups(monkeypatch):
     """Every op wrapper asks use_kernels; once the extension is loaded neither that nor another build()
     may rebuild the build folder's path (it took ~4 ms of host time per 512-token MACKO prefill, which
     is host-bound)."""
-    from minfer import ops
     from minfer.ops import runtime
 
     folder = ops.build()

@@ -36,6 +36,9 @@ class AttentionBackend(ABC):
     h // (Hq / Hkv), as HF's repeat_kv does. Returns [B, T, Hq, D]."""
 
     name: ClassVar[str]
+    # Whether `prefill` may run inside CUDA-graph capture (no host sync, no host-to-device copy): the
+    # Generator captures the prefill only then.
+    prefill_capturable: bool = True
 
     def __init__(self, config: ModelConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device):

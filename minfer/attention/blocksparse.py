@@ -33,6 +33,8 @@ class BlockSparseAttention(AttentionBackend):
         self.block_size = block_size
         self.heads = config.num_heads
         self.device = device
+        self.prefill_capturable = ops.kernels_run_on(device) and ops.blocksparse_kernel_supports(dtype,
+                                                                                                config.head_dim)
         # Built here for the whole cache so a bad block size or a file layout too small fails at setup.
         self.decode_layout = decode_layout(self.compact(max_seq_len), config.num_kv_heads, self.layout)
         self.workspace = None

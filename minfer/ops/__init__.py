@@ -37,6 +37,7 @@ from .blocksparse_attention import (
     BLOCKSPARSE_TILE,
     blocksparse_attention,
     blocksparse_attention_reference,
+    blocksparse_kernel_supports,
     blocksparse_tiles,
     blocksparse_token_mask,
 )
@@ -142,7 +143,8 @@ __all__ = [
     "SPARSE24_GEMM_K_MULTIPLE", "SPARSE24_GEMM_ROW_MULTIPLE", "SPARSE24_GEMM_TILES", "SPARSE24_GEMV_MAX_TOKENS",
     "add_rms_norm", "argmax",
     "argmax_reference", "backend", "blocksparse_attention", "blocksparse_attention_reference",
-    "blocksparse_decode_attention", "blocksparse_decode_attention_reference", "blocksparse_tiles",
+    "blocksparse_decode_attention", "blocksparse_decode_attention_reference", "blocksparse_kernel_supports",
+    "blocksparse_tiles",
     "blocksparse_token_mask", "build", "build_for", "check_macko_arrays", "check_sparse24_arrays", "current_backend",
     "decode_attention", "decode_attention_reference", "decode_attention_ring_stages", "decode_attention_splits", "decode_attention_supports",
     "decode_attention_workspace", "embedding", "embedding_reference", "gemv", "gemv_tuned", "hgemm", "hgemm_tuned",

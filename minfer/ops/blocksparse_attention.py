@@ -83,13 +83,17 @@ def _blocksparse_attention_tuned_fake(q, k, v, tile_ptr, key_tiles, layout_heads
     return None
 
 
+def blocksparse_kernel_supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """The dtypes and head sizes the kernel takes (with rows 16-byte aligned); the rest runs the reference,
+    which reads the layout on the host and so cannot run inside CUDA-graph capture."""
+    return dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128)
+
+
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    """float16/bfloat16, D 64 or 128, rows 16-byte aligned: everything else runs the reference."""
     def aligned(t):
         return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
 
-    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in (64, 128)
-            and all(aligned(t) for t in (q, k, v, out)))
+    return blocksparse_kernel_supports(q.dtype, q.shape[-1]) and all(aligned(t) for t in (q, k, v, out))
 
 
 def blocksparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile_ptr: torch.Tensor,
